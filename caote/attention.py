@@ -1,0 +1,60 @@
+"""Reading attention probabilities out of a Hugging Face model without changing its attention kernel.
+
+The model keeps its own attention implementation (sdpa by default). A forward hook on each attention module sees
+the layer input and, after the module ran, recomputes the queries it needs (q projection, QK-norm where the model
+has one, RoPE) and their softmax against the cached keys. Under eager attention the probabilities the kernel
+already produced are reused instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention module of every decoder layer; a clear error for unsupported architectures."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} ({type(model).__name__}) is not supported; "
+            f"caote supports {', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Mistral, Qwen2, Qwen3 classes)"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError(
+            f"{type(model).__name__} has non-full attention layers ({sorted(set(layer_types))}); "
+            "caote evicts only in models whose every layer is full attention"
+        )
+    decoder = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
+    return [layer.self_attn for layer in decoder.layers]
+
+
+def project_queries(module: nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """Post-RoPE queries ``(B, H_q, R, d)`` for ``hidden_states`` ``(B, R, D)``, exactly as the module builds them."""
+    batch, rows, _ = hidden_states.shape
+    queries = module.q_proj(hidden_states).view(batch, rows, -1, module.head_dim)
+    if hasattr(module, "q_norm"):  # Qwen3 QK-norm, applied per head before RoPE
+        queries = module.q_norm(queries)
+    queries = queries.transpose(1, 2)
+    cos, sin = (table.unsqueeze(1) for table in position_embeddings)
+    return queries * cos + rotate_half(queries) * sin
+
+
+def attention_rows(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, visible: torch.Tensor
+) -> torch.Tensor:
+    """Softmax probabilities ``(B, H_q, R, N)`` (float32) of ``queries`` ``(B, H_q, R, d)`` over ``keys``
+    ``(B, H_kv, N, d)``. ``visible`` ``(B, R, N)`` bool marks the keys each query may see; rows that see nothing
+    (padding queries) come out as zeros."""
+    batch, heads, rows, dim = queries.shape
+    kv_heads, tokens = keys.shape[1], keys.shape[2]
+    grouped = queries.float().reshape(batch, kv_heads, heads // kv_heads * rows, dim)
+    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).view(batch, heads, rows, tokens) * scaling
+    logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    probabilities = torch.softmax(logits, dim=-1)
+    return torch.nan_to_num(probabilities, nan=0.0)
