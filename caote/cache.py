@@ -124,7 +124,8 @@ class EvictionCache(Cache):
     sink_tokens:
         The first positions, never evicted (StreamingLLM's attention sinks). Default 4.
     recent_window:
-        The newest tokens, never evicted. Default: the policy's own (SnapKV's 32-query window, else 0).
+        The newest tokens, never evicted. Default: the policy's own (half the budget for H2O, SnapKV's 32-query
+        window, else 0).
     gqa:
         How CAOTE errors of the query heads sharing a KV head combine: ``"rss"`` (exact), ``"mean"`` or ``"max"``.
         Plain base scores are always averaged over the group.
@@ -145,7 +146,9 @@ class EvictionCache(Cache):
     ):
         self.policy: Policy = parse_policy(policy)
         modules = attention_modules(model)
-        recent_window = self.policy.base.recent_window if recent_window is None and self.policy.evicts else recent_window
+        if recent_window is None and self.policy.evicts:
+            default = self.policy.base.recent_window
+            recent_window = int(default * budget) if isinstance(default, float) else default
         _validate(budget, block_size, sink_tokens, recent_window or 0, gqa)
         super().__init__(layers=[EvictionLayer() for _ in modules])
         self.budget, self.block_size, self.sink_tokens = budget, block_size, sink_tokens

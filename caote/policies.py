@@ -35,7 +35,8 @@ class BaseScore:
     ``"window"`` (the newest ``window`` queries) or ``"all"`` (every query, accumulated H2O-style).
     ``per_query_head``: the score comes per query head (attention) rather than per KV head (keys).
     ``signed``: scores may be negative, so CAOTE shifts them before normalising.
-    ``recent_window``: newest tokens protected from eviction unless the user overrides it.
+    ``recent_window``: newest tokens protected from eviction unless the user overrides it; a float is a share of
+    the budget (H2O's heavy-hitter / recent split).
     """
 
     name: str
@@ -45,7 +46,7 @@ class BaseScore:
     signed: bool
     summary: str
     reference: str
-    recent_window: int = 0
+    recent_window: int | float = 0
 
 
 SNAPKV_WINDOW = 32
@@ -57,7 +58,8 @@ BASE_SCORES: dict[str, BaseScore] = {
         BaseScore("streamingllm", lambda x: scoring.streamingllm_score(x.positions), "none", False, False,
                   "attention sinks + the most recent tokens", "Xiao et al. 2023, arXiv 2309.17453"),
         BaseScore("h2o", lambda x: scoring.h2o_score(x.accumulated), "all", True, False,
-                  "attention accumulated over every query so far (heavy hitters)", "Zhang et al. 2023, arXiv 2306.14048"),
+                  "attention accumulated over every query so far (heavy hitters; half the budget kept recent)",
+                  "Zhang et al. 2023, arXiv 2306.14048", recent_window=0.5),
         BaseScore("tova", lambda x: scoring.tova_score(x.recent_rows), "last", True, False,
                   "attention of the newest query", "Oren et al. 2024, arXiv 2401.06104"),
         BaseScore("snapkv", lambda x: scoring.snapkv_score(x.recent_rows, SNAPKV_KERNEL), "window", True, False,

@@ -1,0 +1,1 @@
+"""Evaluation: benchmarks that measure what eviction costs, on the bundled model or any other."""
