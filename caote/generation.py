@@ -1,4 +1,4 @@
-"""One-call generation under a bounded KV budget."""
+"""One-call generation under a bounded KV budget, and the checks that refuse what the cache cannot serve."""
 
 from __future__ import annotations
 
@@ -6,7 +6,23 @@ from dataclasses import dataclass
 
 import torch
 
-from caote.cache import DEFAULT_BLOCK_SIZE, CacheStats, EvictionCache
+from caote.cache import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS, CacheStats, EvictionCache, _validate
+from caote.policies import parse_policy
+
+# generate() options that need a cache which can be cropped, reordered or re-batched (EvictionCache cannot).
+UNSUPPORTED_MODES = {
+    "num_beams": ("beam search", lambda value: value is not None and value > 1),
+    "num_beam_groups": ("diverse beam search", lambda value: value is not None and value > 1),
+    "penalty_alpha": ("contrastive search", lambda value: value is not None and value > 0),
+    "assistant_model": ("assisted decoding", lambda value: value is not None),
+    "prompt_lookup_num_tokens": ("prompt-lookup decoding", lambda value: value is not None),
+    "assistant_early_exit": ("self-speculative (early-exit) decoding", lambda value: value is not None),
+    "dola_layers": ("DoLa decoding", lambda value: value is not None),
+    "custom_generate": ("a custom generate method", lambda value: value is not None),
+}
+# generate() arguments caote.generate sets itself.
+RESERVED_ARGUMENTS = ("past_key_values", "prefill_chunk_size", "use_cache", "input_ids", "inputs")
+CACHE_ARGUMENTS = ("sink_tokens", "recent_window", "gqa", "seed")
 
 
 @dataclass
@@ -18,16 +34,94 @@ class GenerationResult:
     stats: CacheStats
 
 
+def check_settings(budget: int, policy: str, block_size: int = DEFAULT_BLOCK_SIZE, max_new_tokens: int = 1,
+                   sink_tokens: int = DEFAULT_SINK_TOKENS, recent_window: int | None = None, gqa: str = "rss") -> None:
+    """Validate the cache settings without a model (same rules and messages as `EvictionCache`).
+
+    Raises a one-line `ValueError` naming the bad value and what is allowed: unknown policy (with the closest
+    name), budget <= 0 or not above sink + recent window, block size or max_new_tokens not a positive integer.
+    """
+    parsed = parse_policy(policy)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if recent_window is None and parsed.evicts and isinstance(budget, int) and not isinstance(budget, bool):
+        default = parsed.base.recent_window
+        recent_window = int(default * budget) if isinstance(default, float) else default
+    _validate(budget, block_size, sink_tokens, recent_window or 0, gqa)
+
+
+def check_generate_options(model, options: dict) -> None:
+    """Refuse, before any forward, the decoding modes that need to crop or reorder the cache, and the arguments
+    that `generate` sets itself. Looks at ``options`` and at ``options["generation_config"]`` / the model's own
+    generation config."""
+    for name in RESERVED_ARGUMENTS:
+        if name in options:
+            raise ValueError(f"caote.generate sets {name!r} itself; do not pass it")
+    configs = [options.get("generation_config"), getattr(model, "generation_config", None)]
+    for name, (mode, active) in UNSUPPORTED_MODES.items():
+        if name in options:
+            value = options[name]
+        else:
+            value = next((getattr(config, name) for config in configs
+                          if config is not None and getattr(config, name, None) is not None), None)
+        if active(value):
+            raise ValueError(
+                f"{name}={value!r} asks for {mode}, which an EvictionCache cannot serve (it cannot be cropped, "
+                "reordered or re-batched); use greedy decoding or sampling with num_beams=1"
+            )
+
+
+def position_limit(model) -> int | None:
+    """The longest sequence the model's position embeddings cover (``max_position_embeddings``), if known."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_length(model, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt that, with the tokens to generate, exceeds the model's position limit: eviction bounds the
+    memory, but positions stay absolute, so RoPE still has to cover every token seen."""
+    limit = position_limit(model)
+    if limit is None:
+        return
+    if prompt_tokens > limit:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens, more than the model's position limit "
+            f"max_position_embeddings={limit}; shorten the prompt"
+        )
+    if prompt_tokens + max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt ({prompt_tokens} tokens) plus max_new_tokens={max_new_tokens} exceeds the model's position "
+            f"limit max_position_embeddings={limit}; lower max_new_tokens to at most {limit - prompt_tokens}"
+        )
+
+
 def encode_prompt(tokenizer, prompt_or_messages) -> torch.Tensor:
-    """``(1, T)`` input ids: a string is tokenised as is; a list of chat messages goes through the chat template."""
+    """``(1, T)`` input ids: a string is tokenised as is; a list of chat messages goes through the chat template.
+
+    Raises a one-line `ValueError` for an empty prompt or message list, a prompt of another type, or a tokenizer
+    without a chat template when messages are given."""
     if isinstance(prompt_or_messages, str):
         if not prompt_or_messages.strip():
             raise ValueError("the prompt is empty")
-        return tokenizer(prompt_or_messages, return_tensors="pt").input_ids
-    if not prompt_or_messages:
-        raise ValueError("the message list is empty")
-    ids = tokenizer.apply_chat_template(prompt_or_messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
+        ids = tokenizer(prompt_or_messages, return_tensors="pt").input_ids
+    elif isinstance(prompt_or_messages, (list, tuple)):
+        if not prompt_or_messages:
+            raise ValueError("the message list is empty")
+        if not all(isinstance(message, dict) and "role" in message and "content" in message
+                   for message in prompt_or_messages):
+            raise ValueError("chat messages must be dicts with 'role' and 'content', "
+                             "e.g. [{'role': 'user', 'content': '...'}]")
+        if not any(str(message["content"]).strip() for message in prompt_or_messages):
+            raise ValueError("the prompt is empty: every message has empty content")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass the prompt as a plain string instead")
+        ids = tokenizer.apply_chat_template(list(prompt_or_messages), add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        raise ValueError(f"the prompt must be a string or a list of chat messages, got {type(prompt_or_messages).__name__}")
+    if ids.shape[-1] == 0:
+        raise ValueError("the prompt is empty after tokenisation")
     return ids
 
 
@@ -36,18 +130,33 @@ def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: st
              streamer=None, **cache_and_generate_kwargs):
     """Answer ``prompt_or_messages`` with ``model`` while every layer keeps at most ``budget`` KV tokens.
 
-    The prompt is consumed in blocks of ``block_size`` tokens (evicting after each) and every decoded token evicts
-    one. Extra keyword arguments go to `EvictionCache` (``sink_tokens``, ``recent_window``, ``gqa``, ``seed``) or
-    else to ``model.generate`` (``do_sample``, ``temperature``, ...). Returns the text, or a `GenerationResult`
-    with ``return_stats=True``.
+    ``prompt_or_messages`` is a string (tokenised as is) or a list of chat messages (``[{"role": "user",
+    "content": ...}]``, run through the tokenizer's chat template with the generation prompt). The prompt is
+    consumed in blocks of ``block_size`` tokens (evicting after each) and every decoded token evicts one. Extra
+    keyword arguments go to `EvictionCache` (``sink_tokens``, ``recent_window``, ``gqa``, ``seed``) or else to
+    ``model.generate`` (``do_sample``, ``temperature``, ...); decoding defaults to greedy.
+
+    Every input is checked before the first forward: policy, budget, block size, the decoding mode (beam search,
+    assisted / prompt-lookup decoding and contrastive search are refused, since the cache cannot be cropped or
+    reordered), an empty prompt and a prompt beyond the model's position limit each raise a one-line `ValueError`.
+
+    Returns the text, or a `GenerationResult` (text, token ids, `CacheStats`) with ``return_stats=True``.
     """
-    cache_keys = ("sink_tokens", "recent_window", "gqa", "seed")
-    cache_kwargs = {key: cache_and_generate_kwargs.pop(key) for key in cache_keys if key in cache_and_generate_kwargs}
-    input_ids = encode_prompt(tokenizer, prompt_or_messages).to(model.device)
+    cache_kwargs = {key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs}
+    check_settings(budget, policy, block_size, max_new_tokens, **cache_kwargs)
+    check_generate_options(model, cache_and_generate_kwargs)
+    input_ids = encode_prompt(tokenizer, prompt_or_messages)
+    check_length(model, input_ids.shape[-1], max_new_tokens)
+    input_ids = input_ids.to(model.device)
     cache = EvictionCache(model, budget=budget, policy=policy, block_size=block_size, **cache_kwargs)
     cache_and_generate_kwargs.setdefault("do_sample", False)
     if not cache_and_generate_kwargs["do_sample"]:
         cache_and_generate_kwargs.update(temperature=None, top_p=None, top_k=None)
+    if tokenizer.pad_token_id is not None:
+        pad_token_id = tokenizer.pad_token_id
+    else:
+        pad_token_id = tokenizer.eos_token_id
+    cache_and_generate_kwargs.setdefault("pad_token_id", pad_token_id)
     with torch.no_grad():
         output = model.generate(
             input_ids,
@@ -55,7 +164,6 @@ def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: st
             past_key_values=cache,
             prefill_chunk_size=block_size,
             max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             streamer=streamer,
             **cache_and_generate_kwargs,
         )

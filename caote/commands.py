@@ -1,0 +1,182 @@
+"""``caote generate`` and ``caote policies``: the user-facing subcommands of the ``caote`` CLI.
+
+``caote generate`` answers one prompt with a bounded KV cache, streaming the answer to stdout; ``caote policies``
+prints every eviction policy with a one-line description and its reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from caote.cache import DEFAULT_BLOCK_SIZE
+
+DEFAULT_BUDGET = 512
+DEFAULT_POLICY = "tova+caote"
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, else a one-line usage error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def add_parser(subparsers) -> None:
+    """Register ``generate`` and ``policies`` on the ``caote`` subcommand parser."""
+    generate = subparsers.add_parser(
+        "generate",
+        help="answer a prompt with a bounded KV cache, streaming tokens to stdout",
+        description=(
+            "Answer a prompt while every layer keeps at most --budget KV tokens. The prompt comes from the PROMPT "
+            "argument, from --prompt-file, or from stdin with '-'. The answer streams to stdout as it is decoded."
+        ),
+    )
+    generate.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
+    generate.add_argument("--prompt-file", type=Path, metavar="PATH", help="read the prompt from this file")
+    generate.add_argument("--model", default="smollm2-135m",
+                          help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)")
+    generate.add_argument("--budget", type=_positive_int, default=DEFAULT_BUDGET,
+                          help="KV tokens kept per layer (default: %(default)s)")
+    generate.add_argument("--policy", default=DEFAULT_POLICY,
+                          help="eviction policy, see 'caote policies' (default: %(default)s)")
+    generate.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS,
+                          help="most tokens to generate (default: %(default)s)")
+    generate.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                          help="prompt tokens per prefill block (default: %(default)s)")
+    generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                          help="wrap the prompt in the model's chat template as a user message (default: on)")
+    generate.add_argument("--stats", action="store_true",
+                          help="print tokens seen / kept and KV bytes saved to stderr")
+    generate.add_argument("--output", type=Path, metavar="PATH",
+                          help="also write the answer to PATH (atomically; nothing is written on failure)")
+    generate.set_defaults(func=run_generate)
+
+    policies = subparsers.add_parser(
+        "policies",
+        help="list the eviction policies",
+        description="List every eviction policy accepted by --policy, with a one-line description and reference.",
+    )
+    policies.set_defaults(func=run_policies)
+
+
+# -- caote policies -----------------------------------------------------------------------------------------------
+
+
+def policy_table() -> str:
+    """The Markdown table of every policy (``| policy | description |``), as printed by ``caote policies``."""
+    from caote.policies import describe, policy_names
+
+    lines = ["| policy | description |", "|---|---|"]
+    lines += [f"| `{name}` | {describe(name)} |" for name in policy_names()]
+    return "\n".join(lines)
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    """Print `policy_table`."""
+    print(policy_table())
+    return 0
+
+
+# -- caote generate -----------------------------------------------------------------------------------------------
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None, stdin=None) -> str:
+    """The prompt text from the argument, ``-`` (stdin) or a file; `UsageError` when missing, doubled or empty."""
+    from caote.cli import UsageError
+
+    if prompt is not None and prompt_file is not None:
+        raise UsageError("give the prompt either as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+            raise UsageError(f"cannot read prompt file '{prompt_file}': {reason}") from None
+        source = f"prompt file '{prompt_file}'"
+    elif prompt == "-":
+        text = (stdin or sys.stdin).read()
+        source = "stdin"
+    elif prompt is not None:
+        text, source = prompt, "the PROMPT argument"
+    else:
+        raise UsageError("no prompt: give PROMPT, '-' to read stdin, or --prompt-file PATH")
+    if not text.strip():
+        raise UsageError(f"the prompt from {source} is empty")
+    return text
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename: never a partial file."""
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def format_stats(stats) -> str:
+    """Lines for ``--stats``: tokens seen / kept / evicted per layer, KV bytes held and saved."""
+    mib = 1024 * 1024
+    saved = stats.kv_bytes_saved
+    share = 100.0 * saved / stats.full_kv_bytes if stats.full_kv_bytes else 0.0
+    return "\n".join([
+        f"tokens seen: {stats.tokens_seen}, kept: {stats.tokens_kept}, evicted: {stats.tokens_evicted} (per layer)",
+        f"KV cache: {stats.kv_bytes / mib:.2f} MiB held (peak {stats.peak_kv_bytes / mib:.2f} MiB) vs "
+        f"{stats.full_kv_bytes / mib:.2f} MiB for a full cache; saved {saved / mib:.2f} MiB ({share:.1f}%)",
+    ])
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Validate every input before loading the model, then stream the answer (and write/print what was asked)."""
+    from caote.cli import UsageError
+    from caote.generation import check_settings
+
+    text = read_prompt(args.prompt, args.prompt_file)
+    try:
+        check_settings(budget=args.budget, policy=args.policy, block_size=args.block_size,
+                       max_new_tokens=args.max_new_tokens)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.output is not None:
+        if args.output.is_dir():
+            raise UsageError(f"--output '{args.output}' is a directory; give a file path")
+        if not args.output.parent.is_dir():
+            raise UsageError(f"--output '{args.output}': folder '{args.output.parent}' does not exist")
+
+    from transformers import TextStreamer
+
+    from caote.generation import generate
+    from caote.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    prompt = text
+    if args.chat:
+        if getattr(tokenizer, "chat_template", None):
+            prompt = [{"role": "user", "content": text}]
+        else:
+            print(f"caote generate: note: {args.model!r} has no chat template; using the raw prompt",
+                  file=sys.stderr)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = generate(model, tokenizer, prompt, budget=args.budget, policy=args.policy,
+                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, return_stats=True,
+                      streamer=streamer)
+    sys.stdout.flush()
+    if args.output is not None:
+        write_atomically(args.output, result.text)
+    if args.stats:
+        print(format_stats(result.stats), file=sys.stderr)
+    return 0
