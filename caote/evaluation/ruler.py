@@ -1,0 +1,282 @@
+"""RULER-style synthetic long-context tasks, generated on the fly (Hsieh et al. 2024, arXiv 2404.06654).
+
+Five task families, each sized with the tokenizer so that the whole prompt (chat template + answer prefix, see
+`caote.evaluation.data.prompt_text`) holds at most ``context_length`` tokens:
+
+* ``niah_single``: one needle "One of the special magic numbers for {key} is: {value}." in filler; return the value.
+* ``niah_multikey``: the same with ``num_keys - 1`` distractor needles under other keys; return the queried value.
+* ``niah_multivalue``: ``num_values`` needles with the same key and different values; return all of them.
+* ``variable_tracking``: chains ``VAR X1 = 12345. VAR X2 = X1. ...`` (``num_hops`` hops, ``num_chains`` chains, the
+  others distractors) in filler; return every variable of the chain holding the queried value.
+* ``common_words`` (cwe): a numbered list where ``num_common`` words appear ``common_freq`` times and the rest
+  ``uncommon_freq`` times; return the ``num_common`` most frequent words.
+
+Templates and answer prefixes follow RULER's ``template.py``/``constants.py`` wording (the leading space of RULER's
+prefixes is dropped because the prefix follows the opened assistant turn); RULER's in-context example for vt and
+cwe is left out to keep short contexts for the task itself. Keys are adjective-noun pairs, values 7-digit numbers
+(RULER's "words"/"numbers" types). The filler is ``"repeat"`` (RULER's noise haystack, niah_single_1) or
+``"essays"`` (Paul Graham essays, niah_single_2). Every task is scored with ``string_match_all`` (the fraction of
+answers found in the prediction, RULER's metric for these tasks). Deterministic given ``seed``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from caote.evaluation.data import essay_words, haystack, insert_sentences, prompt_token_count, split_sentences
+from caote.evaluation.examples import Example
+
+METRIC = "string_match_all"
+ADJECTIVES = ("wry", "calm", "bold", "brave", "bright", "shy", "quiet", "eager", "fancy", "gentle", "grumpy",
+              "happy", "jolly", "kind", "lively", "proud", "silly", "witty", "zealous", "ancient", "bitter", "brisk",
+              "clumsy", "dusty", "fierce", "frosty", "golden", "hollow", "icy", "misty", "noisy", "polite", "rapid",
+              "rusty", "sleepy", "smooth", "stormy", "tender", "vivid", "wooden")
+NOUNS = ("sunlight", "river", "mountain", "garden", "lantern", "harbor", "meadow", "window", "forest", "canyon",
+         "pillow", "rocket", "castle", "island", "kitten", "ladder", "mirror", "needle", "orchard", "pepper",
+         "quarry", "saddle", "teapot", "umbrella", "valley", "wagon", "anchor", "basket", "candle", "dolphin",
+         "engine", "feather", "glacier", "hammer", "jacket", "kettle", "lemon", "marble", "nugget", "oyster")
+
+NIAH_TEMPLATE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                 "I will quiz you about the numbers afterwards.\n{context}\n"
+                 "What are all the special magic numbers for {query} mentioned in the provided text?")
+NIAH_PREFIX = "The special magic numbers for {query} mentioned in the provided text are"
+NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
+VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+               "Question: Find all variables that are assigned the value {query} in the text above.")
+VT_PREFIX = ("Answer: According to the chain(s) of variable assignment in the text above, {count} variables are "
+             "assigned the value {query}, they are: ")
+CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+                "ones that appear most often.\n{context}\nQuestion: What are the {count} most common words in the "
+                "above list?")
+CWE_PREFIX = "Answer: The top {count} words that appear most often in the list are:"
+# RULER's tokens_to_generate per task family.
+MAX_NEW_TOKENS = {"niah": 128, "variable_tracking": 30, "common_words": 120}
+
+
+def _rng(task: str, seed: int, context_length: int, index: int) -> random.Random:
+    return random.Random(f"ruler:{task}:{seed}:{context_length}:{index}")
+
+
+def _user(text: str) -> tuple[dict, ...]:
+    return (dict(role="user", content=text),)
+
+
+def distinct_keys(rng: random.Random, count: int) -> list[str]:
+    """``count`` different adjective-noun keys such as ``"wry-sunlight"``."""
+    pairs = rng.sample([(a, n) for a in ADJECTIVES for n in NOUNS], count)
+    return [f"{adjective}-{noun}" for adjective, noun in pairs]
+
+
+def distinct_numbers(rng: random.Random, count: int, digits: int = 7) -> list[str]:
+    """``count`` different ``digits``-digit numbers as strings."""
+    return [str(number) for number in rng.sample(range(10 ** (digits - 1), 10 ** digits), count)]
+
+
+def variable_names(rng: random.Random, count: int) -> list[str]:
+    """``count`` different names of five uppercase letters (RULER's variable names)."""
+    names: list[str] = []
+    while len(names) < count:
+        name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _filled(tokenizer, context_length: int, render: Callable[[str], tuple[str, str]], statements: list[str],
+            rng: random.Random, split: str, filler: str, ordered: bool) -> tuple[str, str, int]:
+    """Filler sized so that ``render(context)`` fits ``context_length`` tokens, with ``statements`` inserted at
+    random sentence positions (kept in order when ``ordered``). Returns (user text, answer prefix, prompt tokens)."""
+    user, prefix = render(" ".join(statements))
+    overhead = prompt_token_count(tokenizer, _user(user), prefix)
+    if overhead >= context_length:
+        raise ValueError(f"context_length {context_length} is too short: the task without filler takes {overhead} "
+                         "tokens")
+    filler_text = haystack(tokenizer, context_length - overhead, split, rng.randrange(2 ** 31), filler)
+    positions = [rng.randint(0, len(split_sentences(filler_text))) for _ in statements]
+    if ordered:
+        positions.sort()
+    context = insert_sentences(filler_text, statements, positions)
+    user, prefix = render(context)
+    return user, prefix, prompt_token_count(tokenizer, _user(user), prefix)
+
+
+def _niah(tokenizer, task: str, context_length: int, seed: int, index: int, num_keys: int, num_values: int,
+          split: str, filler: str) -> Example:
+    rng = _rng(task, seed, context_length, index)
+    keys = distinct_keys(rng, num_keys)
+    values = distinct_numbers(rng, num_keys * num_values)
+    query = keys[0]
+    needles = [NIAH_NEEDLE.format(key=key, value=values[k * num_values + v])
+               for k, key in enumerate(keys) for v in range(num_values)]
+    rng.shuffle(needles)
+    answers = tuple(values[:num_values])
+    render = lambda context: (NIAH_TEMPLATE.format(context=context, query=query), NIAH_PREFIX.format(query=query))
+    user, prefix, tokens = _filled(tokenizer, context_length, render, needles, rng, split, filler, ordered=False)
+    meta = dict(context_length=context_length, prompt_tokens=tokens, query=query, num_keys=num_keys,
+                num_values=num_values, filler=filler, split=split, seed=seed)
+    return Example(id=f"ruler/{task}/{filler}/len{context_length}/seed{seed}/{index}", task=f"ruler_{task}",
+                   messages=_user(user), answers=answers, metric=METRIC, max_new_tokens=MAX_NEW_TOKENS["niah"],
+                   answer_prefix=prefix, meta=meta)
+
+
+def niah_single(tokenizer, context_length: int, seed: int = 0, samples: int = 1, split: str = "test",
+                filler: str = "repeat") -> list[Example]:
+    """RULER niah_single: one key-value needle; the answer is its 7-digit value."""
+    return [_niah(tokenizer, "niah_single", context_length, seed, i, 1, 1, split, filler) for i in range(samples)]
+
+
+def niah_multikey(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_keys: int = 4,
+                  split: str = "test", filler: str = "repeat") -> list[Example]:
+    """RULER niah_multikey: ``num_keys`` needles with different keys (one queried, the rest distractors)."""
+    if num_keys < 2:
+        raise ValueError("niah_multikey needs at least two keys")
+    return [_niah(tokenizer, "niah_multikey", context_length, seed, i, num_keys, 1, split, filler)
+            for i in range(samples)]
+
+
+def niah_multivalue(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_values: int = 4,
+                    split: str = "test", filler: str = "repeat") -> list[Example]:
+    """RULER niah_multivalue: ``num_values`` needles for one key; every value must be returned."""
+    if num_values < 2:
+        raise ValueError("niah_multivalue needs at least two values")
+    return [_niah(tokenizer, "niah_multivalue", context_length, seed, i, 1, num_values, split, filler)
+            for i in range(samples)]
+
+
+def assignment_chains(rng: random.Random, num_chains: int, num_hops: int) -> tuple[list[list[str]], list[str],
+                                                                                      list[str]]:
+    """``num_chains`` chains of ``num_hops + 1`` variables: statements per chain, the chains' values, and the names
+    of the first chain. Chain ``c`` reads ``VAR A = v_c. VAR B = A. ...`` (each hop copies the previous name)."""
+    names = variable_names(rng, num_chains * (num_hops + 1))
+    values = distinct_numbers(rng, num_chains, digits=5)
+    chains = []
+    for c in range(num_chains):
+        chain_names = names[c * (num_hops + 1):(c + 1) * (num_hops + 1)]
+        statements = [f"VAR {chain_names[0]} = {values[c]}."]
+        statements += [f"VAR {chain_names[h]} = {chain_names[h - 1]}." for h in range(1, num_hops + 1)]
+        chains.append(statements)
+    return chains, values, names[:num_hops + 1]
+
+
+def _interleave(rng: random.Random, chains: list[list[str]]) -> list[str]:
+    """Merge chains into one statement list in a random interleaving that keeps each chain's own order."""
+    pending = [list(chain) for chain in chains]
+    merged: list[str] = []
+    while any(pending):
+        chain = rng.choice([c for c in pending if c])
+        merged.append(chain.pop(0))
+    return merged
+
+
+def variable_tracking(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_chains: int = 1,
+                      num_hops: int = 4, split: str = "test", filler: str = "repeat") -> list[Example]:
+    """RULER variable tracking: answers are the ``num_hops + 1`` variables bound (directly or through copies) to
+    the queried value; the other chains are distractors."""
+    examples = []
+    for index in range(samples):
+        rng = _rng("variable_tracking", seed, context_length, index)
+        chains, values, answers = assignment_chains(rng, num_chains, num_hops)
+        statements = _interleave(rng, chains)
+        query = values[0]
+        render = lambda context: (VT_TEMPLATE.format(context=context, query=query),
+                                  VT_PREFIX.format(count=num_hops + 1, query=query))
+        user, prefix, tokens = _filled(tokenizer, context_length, render, statements, rng, split, filler,
+                                       ordered=True)
+        meta = dict(context_length=context_length, prompt_tokens=tokens, query=query, num_chains=num_chains,
+                    num_hops=num_hops, filler=filler, split=split, seed=seed)
+        examples.append(Example(id=f"ruler/variable_tracking/{filler}/len{context_length}/seed{seed}/{index}",
+                                task="ruler_variable_tracking", messages=_user(user), answers=tuple(answers),
+                                metric=METRIC, max_new_tokens=MAX_NEW_TOKENS["variable_tracking"],
+                                answer_prefix=prefix, meta=meta))
+    return examples
+
+
+def word_list(rng: random.Random, common: Sequence[str], uncommon: Sequence[str], common_freq: int,
+              uncommon_freq: int) -> list[str]:
+    """Each common word ``common_freq`` times and each uncommon word ``uncommon_freq`` times, shuffled."""
+    words = [word for word in common for _ in range(common_freq)]
+    words += [word for word in uncommon for _ in range(uncommon_freq)]
+    rng.shuffle(words)
+    return words
+
+
+def numbered(words: Sequence[str]) -> str:
+    """RULER's list format: ``"1. apple 2. pear ..."``."""
+    return " ".join(f"{i}. {word}" for i, word in enumerate(words, start=1))
+
+
+def common_words(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_common: int = 10,
+                 common_freq: int = 30, uncommon_freq: int = 3, split: str = "test") -> list[Example]:
+    """RULER common-words extraction (cwe): the largest number of uncommon words that fits ``context_length``
+    (binary search) around ``num_common`` words repeated ``common_freq`` times; answers: the common words.
+
+    Words are distinct lowercase words of ``split``'s essays. Short contexts need smaller ``common_freq`` (RULER's
+    30 × 10 common words alone take about 1.2k tokens).
+    """
+    if common_freq <= uncommon_freq:
+        raise ValueError("common_freq must exceed uncommon_freq")
+    vocabulary = essay_words(split)
+    examples = []
+    for index in range(samples):
+        rng = _rng("common_words", seed, context_length, index)
+        pool = rng.sample(vocabulary, len(vocabulary))
+        common, rest = pool[:num_common], pool[num_common:]
+        prefix = CWE_PREFIX.format(count=num_common)
+
+        def render(n_uncommon: int) -> str:
+            words = word_list(random.Random(f"{seed}:{index}:{n_uncommon}"), common, rest[:n_uncommon],
+                              common_freq, uncommon_freq)
+            return CWE_TEMPLATE.format(context=numbered(words), count=num_common)
+
+        fits = lambda n: prompt_token_count(tokenizer, _user(render(n)), prefix) <= context_length
+        if not fits(0):
+            raise ValueError(f"context_length {context_length} cannot hold {num_common} words × {common_freq}")
+        n_uncommon = _largest_fitting(fits, len(rest))
+        user = render(n_uncommon)
+        meta = dict(context_length=context_length, prompt_tokens=prompt_token_count(tokenizer, _user(user), prefix),
+                    num_common=num_common, common_freq=common_freq, uncommon_freq=uncommon_freq,
+                    num_uncommon=n_uncommon, split=split, seed=seed)
+        examples.append(Example(id=f"ruler/common_words/len{context_length}/seed{seed}/{index}",
+                                task="ruler_common_words", messages=_user(user), answers=tuple(common),
+                                metric=METRIC, max_new_tokens=MAX_NEW_TOKENS["common_words"], answer_prefix=prefix,
+                                meta=meta))
+    return examples
+
+
+def _largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest n in [0, upper] with ``fits(n)``, given ``fits(0)`` and monotonicity (binary search)."""
+    low, high = 0, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+RULER_TASKS = {
+    "niah_single": niah_single,
+    "niah_multikey": niah_multikey,
+    "niah_multivalue": niah_multivalue,
+    "variable_tracking": variable_tracking,
+    "common_words": common_words,
+}
+
+
+def ruler_examples(tokenizer, tasks: Sequence[str] = tuple(RULER_TASKS), context_lengths: Sequence[int] = (1024,),
+                   samples: int = 1, seed: int = 0, split: str = "test", **task_kwargs) -> list[Example]:
+    """``samples`` examples of every task in ``tasks`` at every context length. ``task_kwargs`` go to each task
+    function that accepts them (e.g. ``filler="essays"``, ``common_freq=10``)."""
+    unknown = sorted(set(tasks) - set(RULER_TASKS))
+    if unknown:
+        raise ValueError(f"unknown RULER tasks {unknown}; expected some of {sorted(RULER_TASKS)}")
+    examples = []
+    for task in tasks:
+        function = RULER_TASKS[task]
+        accepted = function.__code__.co_varnames[:function.__code__.co_argcount]
+        kwargs = {key: value for key, value in task_kwargs.items() if key in accepted}
+        for length in context_lengths:
+            examples.extend(function(tokenizer, length, seed=seed, samples=samples, split=split, **kwargs))
+    return examples
