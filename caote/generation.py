@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from caote.attention import attention_modules
 from caote.cache import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS, CacheStats, EvictionCache, _validate
 from caote.policies import parse_policy
 
@@ -21,7 +22,7 @@ UNSUPPORTED_MODES = {
     "custom_generate": ("a custom generate method", lambda value: value is not None),
 }
 # generate() arguments caote.generate sets itself.
-RESERVED_ARGUMENTS = ("past_key_values", "prefill_chunk_size", "use_cache", "input_ids", "inputs")
+RESERVED_ARGUMENTS = ("cache", "past_key_values", "prefill_chunk_size", "use_cache", "input_ids", "inputs")
 CACHE_ARGUMENTS = ("sink_tokens", "recent_window", "gqa", "seed")
 
 
@@ -65,8 +66,9 @@ def check_generate_options(model, options: dict) -> None:
             value = next((getattr(config, name) for config in configs
                           if config is not None and getattr(config, name, None) is not None), None)
         if active(value):
+            shown = repr(value) if isinstance(value, (int, float, str)) else f"<{type(value).__name__}>"
             raise ValueError(
-                f"{name}={value!r} asks for {mode}, which an EvictionCache cannot serve (it cannot be cropped, "
+                f"{name}={shown} asks for {mode}, which an EvictionCache cannot serve (it cannot be cropped, "
                 "reordered or re-batched); use greedy decoding or sampling with num_beams=1"
             )
 
@@ -136,7 +138,7 @@ def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: st
     keyword arguments go to `EvictionCache` (``sink_tokens``, ``recent_window``, ``gqa``, ``seed``) or else to
     ``model.generate`` (``do_sample``, ``temperature``, ...); decoding defaults to greedy.
 
-    Every input is checked before the first forward: policy, budget, block size, the decoding mode (beam search,
+    Every input is checked before the first forward: policy, budget, block size, the model class, the decoding mode (beam search,
     assisted / prompt-lookup decoding and contrastive search are refused, since the cache cannot be cropped or
     reordered), an empty prompt and a prompt beyond the model's position limit each raise a one-line `ValueError`.
 
@@ -144,6 +146,7 @@ def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: st
     """
     cache_kwargs = {key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs}
     check_settings(budget, policy, block_size, max_new_tokens, **cache_kwargs)
+    attention_modules(model)  # refuses unsupported architectures before anything runs
     check_generate_options(model, cache_and_generate_kwargs)
     input_ids = encode_prompt(tokenizer, prompt_or_messages)
     check_length(model, input_ids.shape[-1], max_new_tokens)
@@ -161,7 +164,7 @@ def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: st
         output = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            past_key_values=cache,
+            cache=cache,
             prefill_chunk_size=block_size,
             max_new_tokens=max_new_tokens,
             streamer=streamer,

@@ -1,0 +1,201 @@
+"""The ``caote-text-generation`` transformers pipeline: several questions answered from one compressed context.
+
+Registered when ``caote`` is imported::
+
+    import caote
+    from transformers import pipeline
+
+    pipe = pipeline("caote-text-generation", model=model, tokenizer=tokenizer)
+    pipe(context, questions=["Who?", "When?"], budget=256, policy="snapkv+caote")  # {"answers": [...]}
+
+The context is prefilled once, block by block, into an `EvictionCache` (so its memory never exceeds the budget);
+the compressed state is snapshotted, and each question is answered by a greedy loop from that snapshot, which is
+restored before the next question. The prefill therefore runs once however many questions there are.
+
+Chat templates are handled like kvpress: the template is applied to ``context + SEPARATOR`` and split at the
+separator, so the template's head (system prompt, user header) goes with the context and its tail (end of turn,
+assistant header) goes after every question.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+from caote.cache import DEFAULT_BLOCK_SIZE, EvictionCache
+from caote.generation import CACHE_ARGUMENTS, check_length, check_settings
+
+TASK = "caote-text-generation"
+SEPARATOR = "\n\n<<<caote-question-separator>>>\n\n"
+_LAYER_STATE = ("keys", "values", "positions", "accumulated", "recent_rows")
+
+
+@dataclass
+class CacheSnapshot:
+    """A copy of an `EvictionCache`'s token state: every layer's tensors and counters, and the random generator."""
+
+    layers: list[dict] = field(default_factory=list)
+    generator_state: torch.Tensor | None = None
+
+
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def snapshot_cache(cache: EvictionCache) -> CacheSnapshot:
+    """Copy what ``cache`` holds (keys, values, positions, attention history, counters) so that `restore_cache`
+    can bring it back after more tokens went through it. Costs one copy of the retained KV (at most the budget)."""
+    layers = [{name: _copy(value) for name, value in vars(layer).items()} for layer in cache.layers]
+    generator = getattr(cache, "_generator", None)
+    return CacheSnapshot(layers, generator.get_state() if generator is not None else None)
+
+
+def restore_cache(cache: EvictionCache, snapshot: CacheSnapshot) -> None:
+    """Put ``cache`` back in the state ``snapshot`` recorded (the snapshot stays valid for further restores)."""
+    if len(snapshot.layers) != len(cache.layers):
+        raise ValueError(f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(cache.layers)}")
+    for layer, state in zip(cache.layers, snapshot.layers):
+        for name in list(vars(layer)):
+            if name not in state:
+                delattr(layer, name)
+        for name, value in state.items():
+            setattr(layer, name, _copy(value))
+    if snapshot.generator_state is not None and cache._generator is not None:
+        cache._generator.set_state(snapshot.generator_state)
+
+
+def split_chat_template(tokenizer, context: str) -> tuple[str, str]:
+    """``(context_text, question_suffix)``: the chat template applied to ``context + SEPARATOR`` as one user message
+    with the generation prompt, split at the separator. Without a chat template: ``(context, "")``."""
+    if not getattr(tokenizer, "chat_template", None):
+        return context, ""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": context + SEPARATOR}],
+                                         add_generation_prompt=True, tokenize=False)
+    if text.count(SEPARATOR) != 1:
+        raise ValueError("the tokenizer's chat template altered the question separator; pass chat=False")
+    head, tail = text.split(SEPARATOR)
+    return head, tail
+
+
+class CaoteTextGenerationPipeline(Pipeline):
+    """Answer one or more questions about a context from a single compressed prefill.
+
+    Call: ``pipe(context, question=None, questions=None, budget=512, policy="tova+caote", block_size=128,
+    max_new_tokens=50, answer_prefix="", chat=None, return_stats=False, sink_tokens=..., recent_window=..., gqa=...,
+    seed=...)``. Returns ``{"answer": str}`` for ``question`` (or none) and ``{"answers": [str, ...]}`` for
+    ``questions``; with ``return_stats=True`` also ``"stats"``: the `CacheStats` after the context and after each
+    answer. ``chat=None`` uses the chat template when the tokenizer has one. Decoding is greedy, batch size 1.
+    """
+
+    _load_processor = False
+    _load_image_processor = False
+    _load_feature_extractor = False
+    _load_tokenizer = True
+
+    def _sanitize_parameters(self, question=None, questions=None, answer_prefix: str = "", chat=None,
+                             budget: int = 512, policy: str = "tova+caote", block_size: int = DEFAULT_BLOCK_SIZE,
+                             max_new_tokens: int = 50, return_stats: bool = False, **kwargs):
+        unknown = sorted(set(kwargs) - set(CACHE_ARGUMENTS))
+        if unknown:
+            raise ValueError(f"unknown argument(s) {', '.join(unknown)} for the {TASK} pipeline; "
+                             f"cache arguments are {', '.join(CACHE_ARGUMENTS)}")
+        if question is not None and questions is not None:
+            raise ValueError("give either question or questions, not both")
+        if questions is not None:
+            if isinstance(questions, str) or not questions or not all(isinstance(q, str) for q in questions):
+                raise ValueError("questions must be a non-empty list of strings")
+            items = list(questions)
+        else:
+            if question is not None and not isinstance(question, str):
+                raise ValueError(f"question must be a string, got {type(question).__name__}")
+            items = [question or ""]
+        cache_kwargs = {key: kwargs[key] for key in CACHE_ARGUMENTS if key in kwargs}
+        check_settings(budget, policy, block_size, max_new_tokens, **cache_kwargs)
+        preprocess = {"questions": items, "answer_prefix": answer_prefix, "chat": chat}
+        forward = {"budget": budget, "policy": policy, "block_size": block_size, "max_new_tokens": max_new_tokens,
+                   "cache_kwargs": cache_kwargs}
+        postprocess = {"single": questions is None, "return_stats": return_stats}
+        return preprocess, forward, postprocess
+
+    def preprocess(self, context, questions=("",), answer_prefix="", chat=None):
+        if not isinstance(context, str) or not context.strip():
+            raise ValueError("the context must be a non-empty string")
+        if chat is True and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat=True but the tokenizer has no chat template")
+        if chat is False:
+            head, tail = context, ""
+        else:
+            head, tail = split_chat_template(self.tokenizer, context)
+        templated = bool(tail)
+        context_ids = self.tokenizer(head, return_tensors="pt", add_special_tokens=not templated).input_ids
+        question_ids = [
+            self.tokenizer(question + tail + answer_prefix, return_tensors="pt", add_special_tokens=False).input_ids
+            for question in questions
+        ]
+        return {"context_ids": context_ids, "question_ids": question_ids}
+
+    def _forward(self, model_inputs, budget=512, policy="tova+caote", block_size=DEFAULT_BLOCK_SIZE,
+                 max_new_tokens=50, cache_kwargs=None):
+        context_ids = model_inputs["context_ids"]
+        question_ids = model_inputs["question_ids"]
+        longest = max(ids.shape[-1] for ids in question_ids)
+        check_length(self.model, context_ids.shape[-1] + longest, max_new_tokens)
+        cache = EvictionCache(self.model, budget=budget, policy=policy, block_size=block_size, **(cache_kwargs or {}))
+        self._feed(context_ids, cache, block_size)
+        stats = [cache.stats()]
+        snapshot = snapshot_cache(cache)
+        answers = []
+        for index, ids in enumerate(question_ids):
+            if index:
+                restore_cache(cache, snapshot)
+            answers.append(self._greedy(ids, cache, block_size, max_new_tokens))
+            stats.append(cache.stats())
+        return {"answers": answers, "stats": stats}
+
+    def _feed(self, ids: torch.Tensor, cache: EvictionCache, block_size: int) -> torch.Tensor | None:
+        """Run ``ids`` through the model in blocks of ``block_size``; the last position's logits (None if empty)."""
+        logits = None
+        ids = ids.to(self.model.device)
+        for start in range(0, ids.shape[-1], block_size):
+            block = ids[:, start:start + block_size]
+            output = self.model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=1)
+            logits = output.logits[:, -1]
+        return logits
+
+    def _greedy(self, question_ids, cache, block_size, max_new_tokens) -> list[int]:
+        stop = set()
+        for source in (getattr(self.model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if source is not None:
+                stop.update(source if isinstance(source, (list, tuple)) else [source])
+        logits = self._feed(question_ids, cache, block_size)
+        answer: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(logits.argmax(dim=-1)[0])
+            if token in stop:
+                break
+            answer.append(token)
+            if len(answer) == max_new_tokens:
+                break
+            logits = self._feed(torch.tensor([[token]]), cache, block_size)
+        return answer
+
+    def postprocess(self, model_outputs, single=True, return_stats=False):
+        answers = [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in model_outputs["answers"]]
+        result = {"answer": answers[0]} if single else {"answers": answers}
+        if return_stats:
+            result["stats"] = model_outputs["stats"]
+        return result
+
+
+def register() -> None:
+    """Register ``caote-text-generation`` with transformers (idempotent; done on ``import caote``)."""
+    if TASK not in PIPELINE_REGISTRY.get_supported_tasks():
+        PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=CaoteTextGenerationPipeline,
+                                            pt_model=AutoModelForCausalLM)
+
+
+__all__ = ["CacheSnapshot", "CaoteTextGenerationPipeline", "register", "restore_cache", "snapshot_cache",
+           "split_chat_template", "TASK"]
