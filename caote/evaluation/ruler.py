@@ -240,7 +240,8 @@ def common_words(tokenizer, context_length: int, seed: int = 0, samples: int = 1
         fits = lambda n: prompt_token_count(tokenizer, _user(render(n)), prefix) <= context_length
         if not fits(0):
             raise ValueError(f"context_length {context_length} cannot hold {num_common} words × {common_freq}")
-        n_uncommon = _largest_fitting(fits, len(rest))
+        # Every list entry takes at least one token, which bounds the search.
+        n_uncommon = _largest_fitting(fits, min(len(rest), context_length // uncommon_freq))
         user = render(n_uncommon)
         meta = dict(context_length=context_length, prompt_tokens=prompt_token_count(tokenizer, _user(user), prefix),
                     num_common=num_common, common_freq=common_freq, uncommon_freq=uncommon_freq,
