@@ -47,9 +47,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="LongBench folder holding <task>.jsonl files (longbench only)")
     parser.add_argument("--tasks", default=None, help="comma list of tasks (ruler, longbench); default: all")
+    parser.add_argument("--depths", default=None, help="niah: comma list of needle depths in %% (default: 10,50,90)")
     parser.add_argument("--quick", action="store_true", help="report: the small grid that runs in ~15 min on 2 cores")
     parser.add_argument("--docs", type=Path, default=Path("docs"),
                         help="report: folder for results.md and results/ (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", default=None,
+                        help="cap on every example's answer length (default: each task's own)")
+    parser.add_argument("--threads", default=None, help="torch CPU threads per process (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run)
 

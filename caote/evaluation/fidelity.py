@@ -1,0 +1,103 @@
+"""Attention-output fidelity: how far each layer's attention output moves when the cache evicts.
+
+CAOTE ranks tokens by how much evicting them changes the attention output. This module measures that quantity
+end to end: a prompt is consumed block by block twice in lockstep, once with the full cache and once under the
+policy, and for every layer ``i`` the output of ``model.model.layers[i].self_attn`` (its ``output[0]``, after
+``o_proj``) is captured with a forward hook. Per layer, the relative error is
+
+    ||O_policy - O_full||_F / ||O_full||_F
+
+over all tokens of the blocks that attend a cache from which something has been evicted (blocks starting after
+position ``budget``). The inputs of layer ``i > 0`` differ too (earlier layers' errors propagate), so this is the
+error a user sees, not the one-step error CAOTE's score bounds. The mean over layers is the headline number.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def decoder_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """``model.model.layers[i].self_attn`` for every decoder layer."""
+    return [layer.self_attn for layer in model.model.layers]
+
+
+class AttentionCapture:
+    """Forward hooks that keep the latest attention output of every layer (a context manager: hooks are removed
+    on exit)."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = decoder_attention_modules(model)
+        self.outputs: list[torch.Tensor | None] = [None] * len(self.modules)
+        self._handles = []
+
+    def __enter__(self) -> "AttentionCapture":
+        for index, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._hook(index)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            value = output[0] if isinstance(output, tuple) else output
+            self.outputs[index] = value.detach().float()
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        """The outputs of the last forward (and forget them)."""
+        outputs, self.outputs = self.outputs, [None] * len(self.modules)
+        if any(output is None for output in outputs):
+            raise RuntimeError("an attention module did not run in the last forward")
+        return outputs
+
+
+class FidelityMeter:
+    """Accumulates ``||O_policy - O_full||^2`` and ``||O_full||^2`` per layer over the measured blocks."""
+
+    def __init__(self, layers: int):
+        self.error = torch.zeros(layers, dtype=torch.float64)
+        self.reference = torch.zeros(layers, dtype=torch.float64)
+        self.blocks = 0
+        self.per_block: list[float] = []  # per measured block: relative error averaged over layers
+
+    def add(self, policy_outputs: list[torch.Tensor], full_outputs: list[torch.Tensor]) -> None:
+        block = []
+        for index, (policy, full) in enumerate(zip(policy_outputs, full_outputs)):
+            error = (policy - full).double().pow(2).sum()
+            reference = full.double().pow(2).sum()
+            self.error[index] += error
+            self.reference[index] += reference
+            block.append(float(error.sqrt() / reference.sqrt().clamp_min(1e-30)))
+        self.per_block.append(sum(block) / len(block))
+        self.blocks += 1
+
+    def per_layer(self) -> list[float] | None:
+        """Relative error of every layer, or None when no block was measured."""
+        if self.blocks == 0:
+            return None
+        return (self.error.sqrt() / self.reference.sqrt().clamp_min(1e-30)).tolist()
+
+    def mean(self) -> float | None:
+        values = self.per_layer()
+        return None if values is None else float(sum(values) / len(values))
+
+
+def measured(block_start: int, budget: int | None) -> bool:
+    """Whether the block starting at ``block_start`` attends an evicted cache (always true for the full cache,
+    whose error is measured over every block and must be 0)."""
+    return budget is None or block_start > budget
+
+
+def fidelity(model, input_ids: torch.Tensor, policies: list[str], budgets: list[int], block_size: int = 128) -> list[dict]:
+    """Per-layer and mean relative attention-output error of each policy x budget on ``input_ids`` ``(1, T)``."""
+    from caote.evaluation.perplexity import lockstep
+
+    runs = lockstep(model, input_ids, [(policy, budget) for policy in policies for budget in budgets],
+                    block_size=block_size, fidelity=True)
+    return [{"policy": run["policy"], "budget": run["budget"], "fidelity": run["fidelity"],
+             "fidelity_layers": run["fidelity_layers"]} for run in runs]
