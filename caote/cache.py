@@ -125,7 +125,7 @@ class EvictionCache(Cache):
         The first positions, never evicted (StreamingLLM's attention sinks). Default 4.
     recent_window:
         The newest tokens, never evicted. Default: the policy's own (half the budget for H2O, SnapKV's 32-query
-        window, else 0).
+        window, else the newest token only).
     gqa:
         How CAOTE errors of the query heads sharing a KV head combine: ``"rss"`` (exact), ``"mean"`` or ``"max"``.
         Plain base scores are always averaged over the group.

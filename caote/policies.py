@@ -35,8 +35,9 @@ class BaseScore:
     ``"window"`` (the newest ``window`` queries) or ``"all"`` (every query, accumulated H2O-style).
     ``per_query_head``: the score comes per query head (attention) rather than per KV head (keys).
     ``signed``: scores may be negative, so CAOTE shifts them before normalising.
-    ``recent_window``: newest tokens protected from eviction unless the user overrides it; a float is a share of
-    the budget (H2O's heavy-hitter / recent split).
+    ``recent_window``: newest tokens protected from eviction unless the user overrides it (by default just the
+    newest token, which the next step reads first); a float is a share of the budget (H2O's heavy-hitter / recent
+    split).
     """
 
     name: str
@@ -46,7 +47,7 @@ class BaseScore:
     signed: bool
     summary: str
     reference: str
-    recent_window: int | float = 0
+    recent_window: int | float = 1
 
 
 SNAPKV_WINDOW = 32

@@ -1,0 +1,191 @@
+"""EvictionCache inside stock `model.generate` on tiny random models."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from caote import EvictionCache, policy_names
+from caote.cache import EvictionLayer
+
+from conftest import random_ids, tiny_model
+
+EVICTING = [name for name in policy_names() if name != "full"]
+BLOCK = 32
+
+
+def greedy(model, ids, cache, new_tokens=12, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, cache=cache, prefill_chunk_size=BLOCK, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("policy", policy_names())
+def test_a_budget_above_everything_reproduces_a_dynamic_cache(family, policy, request):
+    model = request.getfixturevalue(family)
+    ids = random_ids(150)
+    expected = greedy(model, ids, DynamicCache(config=model.config))
+    with torch.no_grad(), pytest.warns(FutureWarning):  # the 4.x spelling `past_key_values=` works too
+        got = model.generate(ids, past_key_values=EvictionCache(model, budget=400, policy=policy, block_size=BLOCK),
+                             prefill_chunk_size=BLOCK, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             pad_token_id=0)
+    assert torch.equal(got, expected)
+
+
+class BudgetProbe:
+    """A model forward hook that checks every layer after every forward step (prefill blocks included)."""
+
+    def __init__(self, model, cache, budget):
+        self.cache, self.budget, self.steps = cache, budget, 0
+        self.handle = model.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        lengths = {layer.keys.shape[-2] for layer in self.cache.layers}
+        assert len(lengths) == 1, f"layers disagree on the retained count: {lengths}"
+        assert lengths.pop() <= self.budget
+        assert {layer.get_seq_length() for layer in self.cache.layers} == {self.cache.layers[0].cumulative_length}
+        self.steps += 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("policy", EVICTING)
+def test_every_layer_holds_at_most_budget_after_every_step(family, policy, request):
+    model = request.getfixturevalue(family)
+    ids = random_ids(200, seed=1)
+    budget = 48
+    cache = EvictionCache(model, budget=budget, policy=policy, block_size=BLOCK)
+    probe = BudgetProbe(model, cache, budget)
+    try:
+        out = greedy(model, ids, cache, new_tokens=10)
+    finally:
+        probe.handle.remove()
+    assert probe.steps == 7 + 9  # 200 tokens in 32-token blocks, then 9 decode forwards for 10 new tokens
+    assert out.shape[1] == 210
+    stats = cache.stats()
+    assert (stats.tokens_seen, stats.tokens_kept) == (209, budget)
+    positions = cache.layers[0].positions
+    assert positions.shape == (1, model.config.num_key_value_heads, budget)
+    assert (positions.diff(dim=-1) > 0).all(), "retained tokens stay in arrival order"
+    assert (positions[..., -1] == 208).all(), "the newest token is always scored in"
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_other_supported_families_run(family):
+    model = tiny_model(family)
+    cache = EvictionCache(model, budget=40, policy="snapkv+caote", block_size=BLOCK)
+    out = greedy(model, random_ids(100), cache, new_tokens=5)
+    assert out.shape[1] == 105 and cache.layers[0].keys.shape[-2] == 40
+
+
+def test_positions_survive_eviction(llama):
+    """A recency policy's block-wise prefill equals one full forward whose mask hides exactly the evicted tokens."""
+    model = tiny_model("llama", attn_implementation="eager")
+    length, budget, sinks = 160, 40, 4
+    ids = random_ids(length, seed=2)
+    cache = EvictionCache(model, budget=budget, policy="streamingllm", block_size=BLOCK, sink_tokens=sinks)
+
+    def retained_at(block_start):
+        if block_start <= budget:
+            return list(range(block_start))
+        return list(range(sinks)) + list(range(block_start - (budget - sinks), block_start))
+
+    blocks = []
+    with torch.no_grad():
+        for start in range(0, length, BLOCK):
+            retained_before = cache.layers[0].positions
+            blocks.append(model(ids[:, start:start + BLOCK], cache=cache, use_cache=True).logits)
+            if retained_before is not None:
+                assert retained_before[0, 0].tolist() == retained_at(start)
+        visible = torch.zeros(length, length, dtype=torch.bool)
+        for query in range(length):
+            block_start = query - query % BLOCK
+            for key in retained_at(block_start) + list(range(block_start, query + 1)):
+                visible[query, key] = True
+        mask = torch.zeros(1, 1, length, length).masked_fill(~visible, torch.finfo(torch.float32).min)
+        full = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(torch.cat(blocks, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova+caote", "snapkv+fastcaote", "h2o+caote", "keydiff+caote"])
+def test_sdpa_and_eager_keep_the_same_tokens(policy):
+    ids = random_ids(180, seed=3)
+    runs = {}
+    for implementation in ("sdpa", "eager"):
+        model = tiny_model("llama", attn_implementation=implementation)
+        cache = EvictionCache(model, budget=50, policy=policy, block_size=BLOCK)
+        runs[implementation] = (greedy(model, ids, cache, new_tokens=8), [layer.positions for layer in cache.layers])
+    assert torch.equal(runs["sdpa"][0], runs["eager"][0])
+    for sdpa_positions, eager_positions in zip(runs["sdpa"][1], runs["eager"][1]):
+        assert torch.equal(sdpa_positions, eager_positions)
+
+
+def test_left_padded_batch_matches_each_row_alone(llama):
+    """Row 2 is left-padded by exactly one block, so its block boundaries match a run on it alone."""
+    long_row, short_row = random_ids(160, seed=4), random_ids(128, seed=5)
+    padded = torch.cat([torch.zeros(1, BLOCK, dtype=torch.long), short_row], dim=1)
+    ids = torch.cat([long_row, padded])
+    attention_mask = (ids != 0).long()
+    attention_mask[0] = 1
+    for policy in ("h2o+caote", "snapkv+fastcaote", "streamingllm"):
+        batch = greedy(llama, ids, EvictionCache(llama, budget=48, policy=policy, block_size=BLOCK),
+                       attention_mask=attention_mask, new_tokens=6)
+        for row, alone_ids in enumerate((long_row, short_row)):
+            alone = greedy(llama, alone_ids, EvictionCache(llama, budget=48, policy=policy, block_size=BLOCK),
+                           new_tokens=6)
+            assert torch.equal(batch[row, -6:], alone[0, -6:]), (policy, row)
+
+
+def test_left_padding_with_a_large_budget_matches_dynamic_cache(llama):
+    ids = torch.cat([random_ids(90, seed=6), torch.cat([torch.zeros(1, 37, dtype=torch.long), random_ids(53, seed=7)], 1)])
+    attention_mask = (ids != 0).long()
+    expected = greedy(llama, ids, DynamicCache(config=llama.config), attention_mask=attention_mask)
+    got = greedy(llama, ids, EvictionCache(llama, budget=500, policy="tova+caote", block_size=BLOCK),
+                 attention_mask=attention_mask)
+    assert torch.equal(got, expected)
+
+
+def test_padding_is_evicted_before_any_real_token(llama):
+    ids = torch.cat([random_ids(100, seed=8), torch.cat([torch.zeros(1, 40, dtype=torch.long), random_ids(60, seed=9)], 1)])
+    cache = EvictionCache(llama, budget=50, policy="tova", block_size=BLOCK)
+    greedy(llama, ids, cache, attention_mask=(ids != 0).long(), new_tokens=3)
+    assert (cache.layers[0].positions >= 0).all()
+
+
+def test_a_cache_is_not_silently_reused_across_generate_calls(llama):
+    cache = EvictionCache(llama, budget=40, policy="h2o+caote", block_size=BLOCK)
+    first = greedy(llama, random_ids(90), cache)
+    with pytest.raises(ValueError, match="already holds 101 tokens .* call cache.reset"):
+        greedy(llama, random_ids(90), cache)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    assert torch.equal(greedy(llama, random_ids(90), cache), first)
+
+
+def test_two_caches_on_one_model_evict_independently(llama):
+    """A full-cache reference run in lockstep with an evicting one: each forward touches only its own cache."""
+    ids = random_ids(130, seed=10)
+    reference = DynamicCache(config=llama.config)
+    full = EvictionCache(llama, budget=10_000, policy="full", block_size=BLOCK)
+    evicting = EvictionCache(llama, budget=40, policy="snapkv+caote", block_size=BLOCK)
+    with torch.no_grad():
+        for start in range(0, 130, BLOCK):
+            block = ids[:, start:start + BLOCK]
+            expected = llama(block, cache=reference, use_cache=True).logits
+            torch.testing.assert_close(llama(block, cache=full, use_cache=True).logits, expected)
+            llama(block, cache=evicting, use_cache=True)
+    assert full.layers[0].keys.shape[-2] == 130 and evicting.layers[0].keys.shape[-2] == 40
+
+
+def test_beam_search_is_refused_with_a_clear_message(llama):
+    cache = EvictionCache(llama, budget=40, policy="tova", block_size=BLOCK)
+    with pytest.raises(ValueError, match="beam search"):
+        greedy(llama, random_ids(60), cache, num_beams=2)
+
+
+def test_layers_are_eviction_layers_and_report_cumulative_mask_sizes(llama):
+    cache = EvictionCache(llama, budget=40, policy="tova", block_size=BLOCK)
+    greedy(llama, random_ids(100), cache, new_tokens=1)
+    layer = cache.layers[1]
+    assert isinstance(layer, EvictionLayer)
+    assert layer.get_seq_length() == 100
+    assert layer.get_mask_sizes(1) == (41, 60)
