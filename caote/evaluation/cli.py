@@ -59,7 +59,16 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from caote.cli import UsageError
     from caote.evaluation import runner
 
-    config = runner.config_from_args(args)
-    return runner.run_benchmark(config)
+    try:
+        config = runner.config_from_args(args)
+        return runner.run_benchmark(config)
+    except UsageError as error:
+        # Reported here rather than by caote.cli.main: under ``python -m caote.cli`` that module runs as __main__
+        # and its UsageError is a different class from the one imported here.
+        print(f"caote eval: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -34,7 +34,8 @@ def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, fl
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # clamp to [0, 1] and keep the estimate inside despite rounding (p = 1 gives a high end of 0.9999...)
+    return (max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half)))
 
 
 def bootstrap_interval(values: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
@@ -292,7 +293,7 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
         base, plus, transform = policy.partition("+")
         x = [r["budget"] for r in chosen]
         y = [r["mean"] for r in chosen]
-        error = [[r["mean"] - r["ci_low"] for r in chosen], [r["ci_high"] - r["mean"] for r in chosen]]
+        error = [[max(0.0, r["mean"] - r["ci_low"]) for r in chosen], [max(0.0, r["ci_high"] - r["mean"]) for r in chosen]]
         axis.errorbar(x, y, yerr=error, label=policy, color=colours.get(base), capsize=2, marker="o", markersize=3,
                       linestyle=styles.get(plus + transform, "-"), linewidth=1.2, alpha=0.85)
     axis.set_xscale("log", base=2)
@@ -464,15 +465,15 @@ def run_report(config) -> int:
     model, tokenizer = load_model(config.model, device=device)
     started = time.time()
     parts = {
+        "perplexity": EvalConfig("perplexity", config.model, policies, budgets, list(grid.text_lengths),
+                                 grid.text_samples, config.seed, config.split, runs / "perplexity",
+                                 progress=config.progress),
         "niah": EvalConfig("niah", config.model, policies, budgets, list(grid.niah_lengths), grid.niah_samples,
                            config.seed, config.split, runs / "niah", depths=list(grid.niah_depths),
                            progress=config.progress, max_new_tokens=grid.max_new_tokens),
         "ruler": EvalConfig("ruler", config.model, policies, budgets, list(grid.ruler_lengths), grid.ruler_samples,
                             config.seed, config.split, runs / "ruler", tasks=list(grid.ruler_tasks),
                             progress=config.progress, max_new_tokens=grid.max_new_tokens),
-        "perplexity": EvalConfig("perplexity", config.model, policies, budgets, list(grid.text_lengths),
-                                 grid.text_samples, config.seed, config.split, runs / "perplexity",
-                                 progress=config.progress),
     }
     seconds = {}
     for name, part in parts.items():

@@ -344,10 +344,11 @@ def build_examples(config: EvalConfig, tokenizer) -> list[Example]:
 
 
 def distributed_state():
-    """``(state, rank, num_processes)`` from accelerate (a single process when not launched)."""
+    """``(state, rank, num_processes)`` from accelerate (a single process when not launched). Without a GPU the
+    processes that ``torchrun`` (or ``accelerate launch`` on GPUs) started join a gloo group on the CPU."""
     from accelerate import PartialState
 
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())
     return state, state.process_index, state.num_processes
 
 
