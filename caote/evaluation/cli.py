@@ -49,6 +49,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tasks", default=None, help="comma list of tasks (ruler, longbench); default: all")
     parser.add_argument("--depths", default=None, help="niah: comma list of needle depths in %% (default: 10,50,90)")
     parser.add_argument("--quick", action="store_true", help="report: the small grid that runs in ~15 min on 2 cores")
+    parser.add_argument("--summarise-only", action="store_true",
+                        help="report: rewrite results.md from the rows already computed, running nothing")
     parser.add_argument("--docs", type=Path, default=Path("docs"),
                         help="report: folder for results.md and results/ (default: %(default)s)")
     parser.add_argument("--max-new-tokens", default=None,

@@ -460,9 +460,11 @@ def run_report(config) -> int:
     docs = Path(config.docs)
     results = docs / "results"
     runs = results / "runs" / grid.name
+    summarise_only = getattr(config, "summarise_only", False)
     state, rank, world = distributed_state()
-    device = None if state.device.type == "cpu" else str(state.device)
-    model, tokenizer = load_model(config.model, device=device)
+    if not summarise_only:
+        device = None if state.device.type == "cpu" else str(state.device)
+        model, tokenizer = load_model(config.model, device=device)
     started = time.time()
     parts = {
         "perplexity": EvalConfig("perplexity", config.model, policies, budgets, list(grid.text_lengths),
@@ -475,20 +477,29 @@ def run_report(config) -> int:
                             config.seed, config.split, runs / "ruler", tasks=list(grid.ruler_tasks),
                             progress=config.progress, max_new_tokens=grid.max_new_tokens),
     }
-    seconds = {}
     for name, part in parts.items():
-        began = time.time()
-        run_rows(part, model, tokenizer, rank, world)
-        seconds[name] = time.time() - began
+        if not summarise_only:
+            run_rows(part, model, tokenizer, rank, world)
     state.wait_for_everyone()
     if rank != 0:
         return 0
-    summaries = {name: summarise_rows(load_rows(part.out), name, results, plot_prefix=f"{grid.name}_")
-                 for name, part in parts.items()}
     rows = {name: load_rows(part.out) for name, part in parts.items()}
-    write_results_md(docs / "results.md", grid, config, summaries, rows, seconds, time.time() - started)
+    summaries = {name: summarise_rows(rows[name], name, results, plot_prefix=f"{grid.name}_")
+                 for name in parts}
+    # compute time actually spent on the rows (sum over rows and processes), not this call's wall time
+    seconds = {name: sum(float(r.get("seconds") or 0) for r in value) for name, value in rows.items()}
+    planned = planned_rows(grid, config.policies)
+    write_results_md(docs / "results.md", grid, config, summaries, rows, seconds, planned)
     print(f"wrote {docs / 'results.md'}")
     return 0
+
+
+def planned_rows(grid: Grid, policies: list[str]) -> dict[str, int]:
+    """Rows a complete run of ``grid`` writes per benchmark (full once per example + evicting policies x budgets)."""
+    per_example = 1 + len([p for p in policies if p != "full"]) * len(grid.budgets)
+    return {"perplexity": per_example * len(grid.text_lengths) * grid.text_samples,
+            "niah": per_example * len(grid.niah_lengths) * len(grid.niah_depths) * grid.niah_samples,
+            "ruler": per_example * len(grid.ruler_lengths) * len(grid.ruler_tasks) * grid.ruler_samples}
 
 
 def _headline(summaries: dict) -> list[str]:
@@ -511,17 +522,30 @@ def _headline(summaries: dict) -> list[str]:
 
 
 def write_results_md(path: Path, grid: Grid, config, summaries: dict, rows: dict, seconds: dict,
-                     elapsed: float) -> None:
+                     planned: dict) -> None:
+    import subprocess
+
     command = "caote eval report --quick" if grid.name == "quick" else "caote eval report"
     counts = {name: len(value) for name, value in rows.items()}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=path.parent, timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    missing = {name: planned[name] - counts.get(name, 0) for name in planned if counts.get(name, 0) < planned[name]}
     full_ppl = [r["ppl_full"] for r in rows.get("perplexity", []) if r["policy"] == "full"]
     lines = [
         "# Results: what eviction costs on the bundled SmolLM2-135M-Instruct",
         "",
         f"Regenerate with `{command}` (grid `{grid.name}`, model `{config.model}`, essay split `{config.split}`, "
-        f"seed {config.seed}; {elapsed / 60:.1f} min here on 2 shared CPU cores: "
-        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items()) + "). "
+        f"seed {config.seed}, code at commit `{commit}`). Compute time summed over rows: "
+        + ", ".join(f"{k} {v / 60:.1f} CPU-process min" for k, v in seconds.items()) + " (1 thread per process). "
         "Rows are kept under `docs/results/runs/` and a rerun resumes from them (delete the folder to recompute).",
+        "",
+        ("**Incomplete run:** " + ", ".join(f"{name} is missing {count} of {planned[name]} rows"
+                                            for name, count in missing.items())
+         + "; the tables show the rows that exist.") if missing else
+        f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())}).",
         "",
         "## Setup",
         "",

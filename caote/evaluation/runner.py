@@ -55,6 +55,7 @@ class EvalConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_new_tokens: int | None = None
     threads: int | None = None
+    summarise_only: bool = False
 
 
 # -- argument parsing ------------------------------------------------------------------------------------------------
@@ -127,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
             raise _usage_error(f"--data-dir: {str(data_dir)!r} is not a folder")
     if args.quick and benchmark != "report":
         raise _usage_error("--quick applies to 'report' only")
+    if getattr(args, "summarise_only", False) and benchmark != "report":
+        raise _usage_error("--summarise-only applies to 'report' only")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     depths = None
     if getattr(args, "depths", None):
@@ -142,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     return EvalConfig(benchmark=benchmark, model=args.model, policies=policies, budgets=budgets, lengths=lengths,
                       samples=samples, seed=seed, split=args.split, out=out, data_dir=data_dir, tasks=tasks, depths=depths,
                       max_new_tokens=max_new_tokens, threads=threads,
+                      summarise_only=bool(getattr(args, "summarise_only", False)),
                       quick=bool(args.quick), docs=Path(args.docs), progress=not args.no_progress)
 
 
