@@ -214,6 +214,8 @@ def test_bootstrap_and_estimate():
     continuous = report.estimate([0.2, 0.4, 0.9])
     assert continuous.method == "bootstrap" and 0.2 <= continuous.low <= continuous.mean <= continuous.high <= 0.9
     assert report.estimate([]).n == 0 and report.estimate([]).cell() == "–"
+    zero_kl = report.estimate([0.0, 0.0], binary=False)
+    assert zero_kl.method == "bootstrap" and (zero_kl.low, zero_kl.high) == (0.0, 0.0)
 
 
 def test_paired_comparison_and_verdicts():
@@ -240,5 +242,8 @@ def test_summary_records_put_the_full_reference_beside_each_cell():
     records = {r["policy"]: r for r in report.summary_records(rows, "score", "toy")}
     assert records["tova"]["full_mean"] == 1.0  # only the examples the cell has
     assert records["full"]["mean"] == 0.5 and records["full"]["ci_method"] == "wilson"
+    continuous = report.summary_records([{**row, "kl": 0.0} for row in rows], "kl", "toy")
+    assert {r["ci_method"] for r in continuous} == {"bootstrap"}
+    assert all(r["ci_high"] == 0.0 for r in continuous)
     table = report.markdown_table(list(records.values()))
     assert "**full (reference)**" in table and "| tova | 1.00 [" in table

@@ -69,14 +69,17 @@ class Estimate:
         return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
 
 
-def estimate(values: list[float]) -> Estimate:
-    """Mean and 95 % interval: Wilson when every value is 0 or 1, else the percentile bootstrap."""
+def estimate(values: list[float], binary: bool | None = None) -> Estimate:
+    """Mean and 95 % interval: Wilson for 0/1 scores (``binary``; by default: every value is 0 or 1), else the
+    percentile bootstrap. Pass ``binary=False`` for continuous measures that happen to be 0 (the full cache's KL)."""
     values = [float(v) for v in values if v is not None and not math.isnan(float(v))]
     n = len(values)
     if n == 0:
         return Estimate(math.nan, math.nan, math.nan, 0, "none")
     mean = sum(values) / n
-    if all(v in (0.0, 1.0) for v in values):
+    if binary is None:
+        binary = all(v in (0.0, 1.0) for v in values)
+    if binary:
         low, high = wilson_interval(sum(values), n)
         return Estimate(mean, low, high, n, "wilson")
     low, high = bootstrap_interval(values)
@@ -119,9 +122,11 @@ def summary_records(rows: list[dict], field: str, benchmark: str, task: str | No
     """One record per (policy, budget): mean, interval, n, method, and the full cache's mean on the same examples."""
     cells = values_by_cell(rows, field, task)
     full = cells.get(("full", None), {})
+    # only answer scores can be proportions; a lockstep measure of 0 (full vs full) is not one
+    binary = field == "score" and all(v in (0.0, 1.0) for values in cells.values() for v in values.values())
     records = []
     for (policy, budget), values in cells.items():
-        est = estimate(list(values.values()))
+        est = estimate(list(values.values()), binary)
         reference = [full[key] for key in values if key in full]
         records.append({
             "benchmark": benchmark, "task": task or "all", "metric": field, "policy": policy,
