@@ -236,9 +236,11 @@ def test_paired_comparison_and_verdicts():
 
 
 def test_summary_records_put_the_full_reference_beside_each_cell():
-    rows = [{"policy": "full", "budget": None, "example_id": "a", "score": 1.0},
-            {"policy": "full", "budget": None, "example_id": "b", "score": 0.0},
-            {"policy": "tova", "budget": 64, "example_id": "a", "score": 1.0}]
+    rows = [{"policy": "full", "budget": None, "example_id": "a", "score": 1.0, "metric": "substring_match"},
+            {"policy": "full", "budget": None, "example_id": "b", "score": 0.0, "metric": "substring_match"},
+            {"policy": "tova", "budget": 64, "example_id": "a", "score": 1.0, "metric": "substring_match"}]
+    f1 = report.summary_records([{**row, "metric": "qa_f1"} for row in rows], "score", "toy")
+    assert {r["ci_method"] for r in f1} == {"bootstrap"}
     records = {r["policy"]: r for r in report.summary_records(rows, "score", "toy")}
     assert records["tova"]["full_mean"] == 1.0  # only the examples the cell has
     assert records["full"]["mean"] == 0.5 and records["full"]["ci_method"] == "wilson"

@@ -1,7 +1,8 @@
 """Summaries with 95 % confidence intervals, plots, and the ``caote eval report`` grid that writes docs/results.md.
 
 Intervals (95 %):
-* a mean of 0/1 scores (NIAH's substring match, any all-binary cell) gets the **Wilson score interval**;
+* a mean of hit-or-miss scores (metrics in `BINARY_METRICS`: NIAH's substring match) gets the **Wilson score
+  interval**;
 * any other mean (RULER's string_match_all fractions, PPL deltas, KL, fidelity) gets a **percentile bootstrap**
   over examples (2,000 resamples, fixed seed); with fewer than 2 examples the interval is the single value;
 * CAOTE/FastCAOTE against its plain base is a **paired bootstrap** of the per-example differences (same examples,
@@ -20,6 +21,8 @@ from pathlib import Path
 
 Z95 = 1.959963984540054
 BOOTSTRAP_RESAMPLES = 2000
+# metrics whose score is 0 or 1 per example (hit or miss): their means get Wilson intervals
+BINARY_METRICS = {"substring_match", "string_match_part"}
 BASES = ("h2o", "tova", "snapkv")
 TRANSFORMS = ("caote", "fastcaote")
 
@@ -122,8 +125,10 @@ def summary_records(rows: list[dict], field: str, benchmark: str, task: str | No
     """One record per (policy, budget): mean, interval, n, method, and the full cache's mean on the same examples."""
     cells = values_by_cell(rows, field, task)
     full = cells.get(("full", None), {})
-    # only answer scores can be proportions; a lockstep measure of 0 (full vs full) is not one
-    binary = field == "score" and all(v in (0.0, 1.0) for values in cells.values() for v in values.values())
+    # only answer scores of hit-or-miss metrics are proportions (a lockstep measure or an F1 of 0 is not one)
+    metrics = {row.get("metric") for row in rows if task is None or row.get("task") == task}
+    binary = (field == "score" and metrics <= BINARY_METRICS
+              and all(v in (0.0, 1.0) for values in cells.values() for v in values.values()))
     records = []
     for (policy, budget), values in cells.items():
         est = estimate(list(values.values()), binary)
