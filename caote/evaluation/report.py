@@ -421,8 +421,8 @@ def summarise_benchmark(config) -> Path:
     return path
 
 
-INTERVAL_NOTE = ("Intervals are 95 %: Wilson for means of 0/1 scores, percentile bootstrap (2,000 resamples) over "
-                 "examples otherwise; CAOTE-vs-plain differences use a paired bootstrap over the same examples.")
+INTERVAL_NOTE = ("Intervals are 95 %: Wilson for means of hit-or-miss scores (NIAH), percentile bootstrap (2,000 "
+                 "resamples) over examples otherwise (RULER, and PPL/KL/fidelity over texts); CAOTE-vs-plain differences use a paired bootstrap over the same examples.")
 
 
 # -- the report grid ---------------------------------------------------------------------------------------------
@@ -504,6 +504,32 @@ def run_report(config) -> int:
     return 0
 
 
+HEADLINE_COLUMNS = (("niah", "score", "NIAH acc", 2), ("ruler", "score", "RULER score", 2),
+                    ("perplexity", "ppl_delta", "PPL − full", 3), ("perplexity", "kl", "KL", 4),
+                    ("perplexity", "fidelity", "attn-output error", 3))
+
+
+def headline_table(summaries: dict) -> str:
+    """One row per policy x budget (the full cache first) with every benchmark's mean [95 % CI]."""
+    cells = {}
+    for benchmark, field, _, _ in HEADLINE_COLUMNS:
+        for r in summaries.get(benchmark, {}).get("records", []):
+            if r["metric"] == field and r["task"] == "all":
+                cells[(benchmark, field, r["policy"], r["budget"])] = Estimate(r["mean"], r["ci_low"], r["ci_high"],
+                                                                               r["n"], r["ci_method"])
+    order = policy_order([policy for (_, _, policy, _) in cells])
+    settings = sorted({(policy, budget) for (_, _, policy, budget) in cells},
+                      key=lambda pb: (order.index(pb[0]), -1 if pb[1] == "" else pb[1]))
+    lines = ["| policy | budget | " + " | ".join(label for _, _, label, _ in HEADLINE_COLUMNS) + " |",
+             "|---|---|" + "---|" * len(HEADLINE_COLUMNS)]
+    for policy, budget in settings:
+        values = [cells[(b, f, policy, budget)].cell(d) if (b, f, policy, budget) in cells else "–"
+                  for b, f, _, d in HEADLINE_COLUMNS]
+        name = "**full (reference)**" if policy == "full" else policy
+        lines.append(f"| {name} | {budget if budget != '' else 'all'} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
 def planned_rows(grid: Grid, policies: list[str]) -> dict[str, int]:
     """Rows a complete run of ``grid`` writes per benchmark (full once per example + evicting policies x budgets)."""
     per_example = 1 + len([p for p in policies if p != "full"]) * len(grid.budgets)
@@ -571,6 +597,14 @@ def write_results_md(path: Path, grid: Grid, config, summaries: dict, rows: dict
         f"({counts.get('perplexity', 0)} rows). Full-cache PPL per text: "
         + ", ".join(f"{p:.2f}" for p in full_ppl) + ".",
         f"- {INTERVAL_NOTE}",
+        "",
+        "## Headline: every policy × budget (mean [95 % CI]; full cache first)",
+        "",
+        "NIAH and RULER: higher is better (one or two examples per cell in the quick grid: the intervals are wide). "
+        "PPL − full, KL (nats per token, from the full cache's next-token distribution) and attention-output error "
+        "(‖O − O_full‖/‖O_full‖, mean over layers): lower is better, over the essay texts.",
+        "",
+        headline_table(summaries),
         "",
         "## Where CAOTE helps and where it does not",
         "",
