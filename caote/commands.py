@@ -158,10 +158,12 @@ def run_generate(args: argparse.Namespace) -> int:
             raise UsageError(f"--output '{args.output}': folder '{args.output.parent}' does not exist")
 
     from transformers import TextStreamer
+    from transformers.utils import logging as transformers_logging
 
     from caote.generation import generate
     from caote.models import load_model
 
+    transformers_logging.disable_progress_bar()  # keep stderr for errors and --stats
     model, tokenizer = load_model(args.model)
     prompt = text
     if args.chat:
