@@ -422,7 +422,8 @@ def summarise_benchmark(config) -> Path:
 
 
 INTERVAL_NOTE = ("Intervals are 95 %: Wilson for means of hit-or-miss scores (NIAH), percentile bootstrap (2,000 "
-                 "resamples) over examples otherwise (RULER, and PPL/KL/fidelity over texts); CAOTE-vs-plain differences use a paired bootstrap over the same examples.")
+                 "resamples) over examples otherwise (RULER; PPL/KL/fidelity over texts); CAOTE-vs-plain "
+                 "differences use a paired bootstrap over the same examples (over text blocks for PPL/KL/fidelity).")
 
 
 # -- the report grid ---------------------------------------------------------------------------------------------
