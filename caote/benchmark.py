@@ -715,6 +715,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/results",
                         help="directory for results.json, results.md and results.png (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random prompts / tiny models")
+    parser.add_argument("--report-from", metavar="RESULTS_JSON",
+                        help="measure nothing: rewrite results.md / results.png from a results.json (also partial)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -740,7 +742,24 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        seed=args.seed)
 
 
+def report_from_json(path: str | Path, log=print) -> dict:
+    """Rewrite results.md (and results.png) next to a results.json, also one left by an unfinished run."""
+    path = Path(path)
+    document = json.loads(path.read_text())
+    document["summary"] = summarise(document)
+    (path.parent / "results.md").write_text(markdown_report(document))
+    try:
+        plot(document, path.parent / "results.png")
+    except ImportError as error:
+        log(f"no plot: {error}")
+    return document
+
+
 def command(args: argparse.Namespace) -> int:
+    if args.report_from:
+        summary = report_from_json(args.report_from)["summary"]
+        print(f"targets met: {summary['targets_met']} of {summary['targets_total']}")
+        return 0
     config = config_from_args(args)
     document = run_benchmark(config, args.out, log=lambda line: print(line, flush=True))
     summary = document["summary"]

@@ -132,3 +132,12 @@ def test_cli_parser_registers_bench(tmp_path):
     assert callable(args.func)
     assert args.func(args) == 0
     assert (tmp_path / "results.md").is_file()
+
+
+def test_report_from_partial_json(tiny_run, tmp_path):
+    document, _ = tiny_run
+    partial = {"meta": document["meta"], "samples": document["samples"][:4]}
+    (tmp_path / "results.json").write_text(json.dumps(partial))
+    rebuilt = benchmark.report_from_json(tmp_path / "results.json", log=lambda line: None)
+    assert rebuilt["summary"]["medians"]["full-sdpa"]["48"]["samples"] == 1
+    assert "(unfinished)" in (tmp_path / "results.md").read_text()
