@@ -109,7 +109,9 @@ def test_prompt_ids_from_essays_or_random():
 
 def test_peak_rss_reads():
     benchmark.reset_peak_rss()
-    assert benchmark.peak_rss_bytes() >= benchmark.rss_bytes() > 0
+    now, peak = benchmark.rss_bytes(), benchmark.peak_rss_bytes()
+    # the kernel updates VmHWM lazily (per-thread RSS counters), so it may trail VmRSS by a few pages
+    assert now > 0 and peak > 0.9 * now
 
 
 def test_config_validation():
@@ -136,7 +138,8 @@ def test_cli_parser_registers_bench(tmp_path):
 
 def test_report_from_partial_json(tiny_run, tmp_path):
     document, _ = tiny_run
-    partial = {"meta": document["meta"], "samples": document["samples"][:4]}
+    meta = {key: value for key, value in document["meta"].items() if key not in ("finished", "load_average_end")}
+    partial = {"meta": meta, "samples": document["samples"][:4]}
     (tmp_path / "results.json").write_text(json.dumps(partial))
     rebuilt = benchmark.report_from_json(tmp_path / "results.json", log=lambda line: None)
     assert rebuilt["summary"]["medians"]["full-sdpa"]["48"]["samples"] == 1
