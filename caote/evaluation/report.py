@@ -255,7 +255,8 @@ def plot_niah_heatmaps(rows: list[dict], path: Path, budget: int) -> Path | None
     plt = _pyplot()
     columns = min(4, len(policies))
     rows_count = math.ceil(len(policies) / columns)
-    figure, axes = plt.subplots(rows_count, columns, figsize=(3.2 * columns, 2.6 * rows_count), squeeze=False)
+    figure, axes = plt.subplots(rows_count, columns, figsize=(3.2 * columns, 3.0 * rows_count), squeeze=False)
+    figure.subplots_adjust(hspace=0.55, wspace=0.35)
     image = None
     for index, policy in enumerate(policies):
         axis = axes[index // columns][index % columns]
@@ -575,8 +576,8 @@ def write_results_md(path: Path, grid: Grid, config, summaries: dict, rows: dict
         "# Results: what eviction costs on the bundled SmolLM2-135M-Instruct",
         "",
         f"Regenerate with `{command}` (grid `{grid.name}`, model `{config.model}`, essay split `{config.split}`, "
-        f"seed {config.seed}, code at commit `{commit}`). Compute time summed over rows: "
-        + ", ".join(f"{k} {v / 60:.1f} CPU-process min" for k, v in seconds.items()) + " (1 thread per process). "
+        f"seed {config.seed}, code at commit `{commit}`). Wall time summed over rows (over all processes): "
+        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items()) + ". "
         "Rows are kept under `docs/results/runs/` and a rerun resumes from them (delete the folder to recompute).",
         "",
         ("**Incomplete run:** " + ", ".join(f"{name} is missing {count} of {planned[name]} rows"
