@@ -92,7 +92,7 @@ def accumulate_attention(previous: torch.Tensor | None, attention: torch.Tensor)
 def keep_recent_rows(previous: torch.Tensor | None, attention: torch.Tensor, rows: int) -> torch.Tensor:
     """The last ``rows`` attention rows seen, ``(B, H, <=rows, N)``: older rows get zero attention on newer tokens
     (they could not see them)."""
-    if previous is not None:
+    if previous is not None and attention.shape[-2] < rows:  # else the new rows fill the window: skip pad + copy
         previous = F.pad(previous, (0, attention.shape[-1] - previous.shape[-1]))
         attention = torch.cat([previous, attention], dim=-2)
     return attention[..., -rows:, :]
