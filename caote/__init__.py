@@ -5,7 +5,7 @@ at most ``budget`` KV tokens; ``EvictionCache`` plugs the same bounded cache int
 also registers the ``caote-text-generation`` transformers pipeline (one compressed context, several questions).
 """
 
-from caote.cache import CacheStats, EvictionCache
+from caote.cache import CacheSnapshot, CacheStats, EvictionCache
 from caote.generation import GenerationResult, generate
 from caote.pipeline import CaoteTextGenerationPipeline
 from caote.pipeline import register as _register_pipeline
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _register_pipeline()
 
 __all__ = [
+    "CacheSnapshot",
     "CacheStats",
     "CaoteTextGenerationPipeline",
     "EvictionCache",

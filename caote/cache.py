@@ -9,6 +9,7 @@ layer's attention, a hook scores every token and the layer keeps its top ``budge
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -90,9 +91,22 @@ class EvictionLayer(DynamicLayer):
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _refuse
 
 
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The state of an `EvictionCache` at one moment (see `EvictionCache.snapshot`)."""
+
+    layers: list[EvictionLayer]
+    generator_state: torch.Tensor | None
+    peak_kv_bytes: int
+
+
 @dataclass
 class CacheStats:
-    """What eviction saved so far (per layer counts; bytes over all layers)."""
+    """What eviction saved so far (per layer counts; bytes over all layers).
+
+    ``peak_kv_bytes`` is the most held at once: inside a forward step only the layer being evicted holds
+    ``budget + new tokens``; the others hold at most ``budget``.
+    """
 
     tokens_seen: int
     tokens_kept: int
@@ -183,6 +197,31 @@ class EvictionCache(Cache):
         super().reset()
         self._peak_kv_bytes = 0
         self._generator = None
+
+    def snapshot(self) -> CacheSnapshot:
+        """Record the current state so that `restore` can return to it (e.g. to answer several questions about one
+        compressed context). Free: the cache never writes into its tensors, it replaces them, so they are shared."""
+        generator = self._generator.get_state() if self._generator is not None else None
+        return CacheSnapshot([copy.copy(layer) for layer in self.layers], generator, self._peak_kv_bytes)
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Return to the state `snapshot` recorded; the snapshot stays valid for further restores."""
+        if len(snapshot.layers) != len(self.layers):
+            raise ValueError(f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(self.layers)}")
+        self.layers = [copy.copy(layer) for layer in snapshot.layers]
+        self._peak_kv_bytes = snapshot.peak_kv_bytes
+        if snapshot.generator_state is not None and self._generator is not None:
+            self._generator.set_state(snapshot.generator_state)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if self.policy.evicts and layer.retained > self.budget:
+            raise ValueError(
+                f"layer {layer_idx} holds {layer.retained} tokens, over the budget of {self.budget}, so its last step "
+                f"was never scored: this EvictionCache was built for {self.model_name!r} and the model running it "
+                "has no caote hooks; build an EvictionCache with that model"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # -- eviction ------------------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The ``caote`` command line: ``caote generate | policies | eval | bench``.
 
-Each subcommand lives in its own module and exposes ``add_parser(subparsers)``, which registers the parser and sets
+Run as ``caote ...`` or ``python -m caote ...``. Each subcommand lives in its own module and exposes ``add_parser(subparsers)``, which registers the parser and sets
 ``func(args) -> int`` on it. Exit codes: 0 success, 2 usage error, 1 runtime error.
 """
 
@@ -45,4 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Import main from the package module, not this __main__ copy, so UsageError raised by the subcommands is the
+    # class main() catches (exit code 2).
+    from caote.cli import main as package_main
+
+    sys.exit(package_main())

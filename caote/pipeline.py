@@ -19,8 +19,6 @@ assistant header) goes after every question.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
@@ -30,41 +28,6 @@ from caote.generation import CACHE_ARGUMENTS, check_length, check_settings
 
 TASK = "caote-text-generation"
 SEPARATOR = "\n\n<<<caote-question-separator>>>\n\n"
-_LAYER_STATE = ("keys", "values", "positions", "accumulated", "recent_rows")
-
-
-@dataclass
-class CacheSnapshot:
-    """A copy of an `EvictionCache`'s token state: every layer's tensors and counters, and the random generator."""
-
-    layers: list[dict] = field(default_factory=list)
-    generator_state: torch.Tensor | None = None
-
-
-def _copy(value):
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def snapshot_cache(cache: EvictionCache) -> CacheSnapshot:
-    """Copy what ``cache`` holds (keys, values, positions, attention history, counters) so that `restore_cache`
-    can bring it back after more tokens went through it. Costs one copy of the retained KV (at most the budget)."""
-    layers = [{name: _copy(value) for name, value in vars(layer).items()} for layer in cache.layers]
-    generator = getattr(cache, "_generator", None)
-    return CacheSnapshot(layers, generator.get_state() if generator is not None else None)
-
-
-def restore_cache(cache: EvictionCache, snapshot: CacheSnapshot) -> None:
-    """Put ``cache`` back in the state ``snapshot`` recorded (the snapshot stays valid for further restores)."""
-    if len(snapshot.layers) != len(cache.layers):
-        raise ValueError(f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(cache.layers)}")
-    for layer, state in zip(cache.layers, snapshot.layers):
-        for name in list(vars(layer)):
-            if name not in state:
-                delattr(layer, name)
-        for name, value in state.items():
-            setattr(layer, name, _copy(value))
-    if snapshot.generator_state is not None and cache._generator is not None:
-        cache._generator.set_state(snapshot.generator_state)
 
 
 def split_chat_template(tokenizer, context: str) -> tuple[str, str]:
@@ -146,11 +109,11 @@ class CaoteTextGenerationPipeline(Pipeline):
         cache = EvictionCache(self.model, budget=budget, policy=policy, block_size=block_size, **(cache_kwargs or {}))
         self._feed(context_ids, cache, block_size)
         stats = [cache.stats()]
-        snapshot = snapshot_cache(cache)
+        snapshot = cache.snapshot()
         answers = []
         for index, ids in enumerate(question_ids):
             if index:
-                restore_cache(cache, snapshot)
+                cache.restore(snapshot)
             answers.append(self._greedy(ids, cache, block_size, max_new_tokens))
             stats.append(cache.stats())
         return {"answers": answers, "stats": stats}
@@ -197,5 +160,4 @@ def register() -> None:
                                             pt_model=AutoModelForCausalLM)
 
 
-__all__ = ["CacheSnapshot", "CaoteTextGenerationPipeline", "register", "restore_cache", "snapshot_cache",
-           "split_chat_template", "TASK"]
+__all__ = ["CaoteTextGenerationPipeline", "register", "split_chat_template", "TASK"]

@@ -189,3 +189,10 @@ def test_layers_are_eviction_layers_and_report_cumulative_mask_sizes(llama):
     assert isinstance(layer, EvictionLayer)
     assert layer.get_seq_length() == 100
     assert layer.get_mask_sizes(1) == (41, 60)
+
+
+def test_a_model_without_caote_hooks_is_caught_instead_of_growing_silently(llama):
+    other = tiny_model("llama", seed=1)  # never had an EvictionCache built for it, so it carries no hooks
+    cache = EvictionCache(llama, budget=40, policy="tova", block_size=BLOCK)
+    with pytest.raises(ValueError, match="has no caote hooks"):
+        greedy(other, random_ids(100), cache)

@@ -10,7 +10,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 import caote
 from caote import EvictionCache
 from caote.models import bundled_gguf_path, resolve_model_path
-from caote.pipeline import SEPARATOR, TASK, CaoteTextGenerationPipeline, restore_cache, snapshot_cache, split_chat_template
+from caote.pipeline import SEPARATOR, TASK, CaoteTextGenerationPipeline, split_chat_template
 from conftest import random_ids, tiny_model
 
 CONTEXT = " ".join(f"Note {i}: the locker {i} code is {1000 + i * 37}." for i in range(40))
@@ -97,19 +97,19 @@ def test_snapshot_restore_round_trip():
     cache = EvictionCache(model, budget=32, policy="h2o+caote")
     with torch.no_grad():
         model(input_ids=random_ids(60), cache=cache, use_cache=True)
-        snapshot = snapshot_cache(cache)
+        snapshot = cache.snapshot()
         before = [(layer.keys.clone(), layer.positions.clone(), layer.accumulated.clone(), layer.cumulative_length)
                   for layer in cache.layers]
         model(input_ids=random_ids(10, seed=1), cache=cache, use_cache=True)
         assert cache.get_seq_length() == 70
-        restore_cache(cache, snapshot)
+        cache.restore(snapshot)
         assert cache.get_seq_length() == 60
         for layer, (keys, positions, accumulated, length) in zip(cache.layers, before):
             assert torch.equal(layer.keys, keys) and torch.equal(layer.positions, positions)
             assert torch.equal(layer.accumulated, accumulated) and layer.cumulative_length == length
         # the restored state is a copy: running on does not touch the snapshot, which can be restored again
         logits_a = model(input_ids=random_ids(5, seed=2), cache=cache, use_cache=True).logits
-        restore_cache(cache, snapshot)
+        cache.restore(snapshot)
         logits_b = model(input_ids=random_ids(5, seed=2), cache=cache, use_cache=True).logits
     assert torch.equal(logits_a, logits_b)
 

@@ -1,0 +1,7 @@
+"""``python -m caote ...`` runs the same command line as ``caote ...``."""
+
+import sys
+
+from caote.cli import main
+
+sys.exit(main())
