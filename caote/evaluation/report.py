@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import math
 import random
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,7 +201,7 @@ def markdown_table(records: list[dict], digits: int = 2, title: str = "policy") 
         if policy == "full":
             est = by_policy[policy].get("")
             text = est.cell(digits) if est else "–"
-            lines.append(f"| **full (reference)** | " + " | ".join(text for _ in budgets) + " |")
+            lines.append("| **full (reference)** | " + " | ".join(text for _ in budgets) + " |")
             continue
         lines.append(f"| {policy} | " + " | ".join(
             by_policy[policy][b].cell(digits) if b in by_policy[policy] else "–" for b in budgets) + " |")
@@ -359,8 +358,6 @@ FIELDS = {
 
 def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str = "") -> dict:
     """Tables, CSV and plots of one benchmark's rows under ``out``; returns the pieces for the docs writer."""
-    from caote.evaluation.runner import FULL  # noqa: F401  (documents where "full" comes from)
-
     pieces = {"tables": [], "comparisons": [], "plots": [], "records": [], "comparison_records": []}
     tasks = sorted({r.get("task") for r in rows if r.get("task")})
     for field, label, digits, higher in FIELDS[benchmark]:
@@ -477,7 +474,6 @@ def run_report(config) -> int:
     if not summarise_only:
         device = None if state.device.type == "cpu" else str(state.device)
         model, tokenizer = load_model(config.model, device=device)
-    started = time.time()
     parts = {
         "perplexity": EvalConfig("perplexity", config.model, policies, budgets, list(grid.text_lengths),
                                  grid.text_samples, config.seed, config.split, runs / "perplexity",
