@@ -311,6 +311,11 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
     axis.set_xlabel("KV budget (tokens per layer)")
     axis.set_ylabel(ylabel)
     axis.set_title(title, fontsize=10)
+    return _save_with_legend(plt, figure, axis, path)
+
+
+def _save_with_legend(plt, figure, axis, path: Path) -> Path:
+    """Legend and grid on ``axis``, then write ``figure`` to ``path`` (creating its folder) and free it."""
     axis.legend(fontsize=7, ncol=2)
     axis.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -335,12 +340,7 @@ def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | No
     axis.set_xlabel("layer")
     axis.set_ylabel("||O_policy − O_full|| / ||O_full||")
     axis.set_title(f"Attention-output relative error per layer, b={budget}", fontsize=10)
-    axis.legend(fontsize=7, ncol=2)
-    axis.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
-    return path
+    return _save_with_legend(plt, figure, axis, path)
 
 
 # -- per-benchmark summaries -------------------------------------------------------------------------------------
