@@ -1,8 +1,8 @@
 """Reading attention probabilities out of a Hugging Face model without changing its attention kernel.
 
-The model keeps its own attention implementation (sdpa by default). A forward hook on each attention module sees
-the layer input and, after the module ran, recomputes the queries it needs (q projection, QK-norm where the model
-has one, RoPE) and their softmax against the cached keys. Under eager attention the probabilities the kernel
+The model keeps its own attention implementation (sdpa by default). Hooks on each attention module keep the output
+of its query projection and, after the module ran, finish the queries the scores need (QK-norm where the model has
+one, RoPE) and take their softmax against the cached keys. Under eager attention the probabilities the kernel
 already produced are reused instead.
 """
 
@@ -34,10 +34,11 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in decoder.layers]
 
 
-def project_queries(module: nn.Module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
-    """Post-RoPE queries ``(B, H_q, R, d)`` for ``hidden_states`` ``(B, R, D)``, exactly as the module builds them."""
-    batch, rows, _ = hidden_states.shape
-    queries = module.q_proj(hidden_states).view(batch, rows, -1, module.head_dim)
+def finish_queries(module: nn.Module, projected: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """Post-RoPE queries ``(B, H_q, R, d)`` from the query projection's output ``(B, R, H_q * d)``, exactly as the
+    module builds them."""
+    batch, rows, _ = projected.shape
+    queries = projected.view(batch, rows, -1, module.head_dim)
     if hasattr(module, "q_norm"):  # Qwen3 QK-norm, applied per head before RoPE
         queries = module.q_norm(queries)
     queries = queries.transpose(1, 2)
@@ -46,15 +47,20 @@ def project_queries(module: nn.Module, hidden_states: torch.Tensor, position_emb
 
 
 def attention_rows(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, visible: torch.Tensor
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, real_slots: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Softmax probabilities ``(B, H_q, R, N)`` (float32) of ``queries`` ``(B, H_q, R, d)`` over ``keys``
-    ``(B, H_kv, N, d)``. ``visible`` ``(B, R, N)`` bool marks the keys each query may see; rows that see nothing
+    """Softmax probabilities ``(B, H_q, R, N)`` (float32) of the ``R`` newest tokens' ``queries`` ``(B, H_q, R, d)``
+    over ``keys`` ``(B, H_kv, N, d)``, whose last ``R`` slots are those same tokens (causal among them).
+    ``real_slots`` ``(B, N)`` marks the slots that are not padding (None: no padding); rows that see nothing
     (padding queries) come out as zeros."""
     batch, heads, rows, dim = queries.shape
     kv_heads, tokens = keys.shape[1], keys.shape[2]
     grouped = queries.float().reshape(batch, kv_heads, heads // kv_heads * rows, dim)
-    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).view(batch, heads, rows, tokens) * scaling
-    logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    probabilities = torch.softmax(logits, dim=-1)
-    return torch.nan_to_num(probabilities, nan=0.0)
+    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).view(batch, heads, rows, tokens)
+    logits.mul_(scaling)
+    future = torch.ones(rows, rows, dtype=torch.bool, device=logits.device).triu_(1)
+    logits[..., tokens - rows:].masked_fill_(future, float("-inf"))
+    if real_slots is None:
+        return torch.softmax(logits, dim=-1)
+    logits.masked_fill_(~real_slots[:, None, None, :], float("-inf"))
+    return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)

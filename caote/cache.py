@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from caote.attention import attention_modules, attention_rows, project_queries
+from caote.attention import attention_modules, attention_rows, finish_queries
 from caote.policies import SNAPKV_WINDOW, Policy, ScoreInputs, parse_policy
 from caote.scoring import GQA_AGGREGATIONS, accumulate_attention, keep_recent_rows
 
@@ -171,6 +171,7 @@ class EvictionCache(Cache):
         self._modules = modules
         self._generator: torch.Generator | None = None
         self._peak_kv_bytes = 0
+        self._mask_seen: tuple[torch.Tensor, torch.Tensor | None] | None = None
         install_hooks(modules)
 
     def __repr__(self):
@@ -237,12 +238,13 @@ class EvictionCache(Cache):
             logger.warning(
                 "EvictionCache received %d tokens in one forward (block size %d): attention over them is not "
                 "bounded by the budget; pass prefill_chunk_size=%d to generate", new, self.block_size, self.block_size)
-        real = _real_slots(kwargs.get("attention_mask"), layer.keys)
+        projected_queries = module.__dict__.pop("_caote_projected_queries", None)
+        real = self._real_slots(kwargs.get("attention_mask"), layer.keys)
         self._record_positions(layer, kwargs, real)
         self._peak_kv_bytes = max(self._peak_kv_bytes, self.kv_bytes())
         if not self.policy.evicts:
             return
-        self._record_attention(layer, module, kwargs, attention_weights, real)
+        self._record_attention(layer, module, kwargs, attention_weights, projected_queries, real)
         if layer.retained <= self.budget:
             return
         inputs = ScoreInputs(layer.keys, layer.values, layer.positions, layer.accumulated, layer.recent_rows,
@@ -250,34 +252,51 @@ class EvictionCache(Cache):
         scores = self._protect(self.policy.scores(inputs, self.gqa), layer.positions)
         layer.keep(scores.topk(self.budget, dim=-1, sorted=False).indices.sort(dim=-1).values)
 
-    def _record_positions(self, layer: EvictionLayer, kwargs: dict, real: torch.Tensor) -> None:
+    def _real_slots(self, attention_mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor | None:
+        """``(B, N)`` bool: which cache slots hold real tokens rather than left padding; None when none is padding.
+
+        The newest query of a step sees every earlier slot unless it is padding, so its row of the 4D mask (bool for
+        sdpa, additive float for eager) is the padding mask of the slots. Every layer of a forward gets the same mask
+        object, so the answer is worked out once per forward."""
+        if attention_mask is None or attention_mask.dim() != 4:
+            return None
+        if self._mask_seen is not None and self._mask_seen[0] is attention_mask:
+            return self._mask_seen[1]
+        row = attention_mask[:, 0, -1, -keys.shape[-2]:]
+        real = (row if row.dtype == torch.bool else row == 0).expand(keys.shape[0], -1)
+        real = None if bool(real.all()) else real
+        self._mask_seen = (attention_mask, real)
+        return real
+
+    def _record_positions(self, layer: EvictionLayer, kwargs: dict, real: torch.Tensor | None) -> None:
         batch, kv_heads, new = layer.keys.shape[0], layer.keys.shape[1], layer.new_tokens
+        device = layer.keys.device
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
-            position_ids = torch.arange(layer.cumulative_length - new, layer.cumulative_length, device=real.device)
-        positions = position_ids.to(real.device).view(-1, new).expand(batch, new)
-        positions = positions.masked_fill(~real[:, -new:], -1).unsqueeze(1).expand(batch, kv_heads, new)
+            position_ids = torch.arange(layer.cumulative_length - new, layer.cumulative_length, device=device)
+        positions = position_ids.to(device).view(-1, new).expand(batch, new)
+        if real is not None:
+            positions = positions.masked_fill(~real[:, -new:], -1)
+        positions = positions.unsqueeze(1).expand(batch, kv_heads, new)
         layer.positions = positions if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)
 
-    def _record_attention(self, layer, module, kwargs, attention_weights, real) -> None:
+    def _record_attention(self, layer, module, kwargs, attention_weights, projected_queries, real) -> None:
         """Compute the attention rows the base score reads and fold them into the layer's history."""
         kind = self.policy.base.query_rows
         if kind == "none":
             return
         new = layer.new_tokens
         rows = {"last": 1, "window": min(SNAPKV_WINDOW, new), "all": new}[kind]
-        real_queries = real[:, -rows:]
         if attention_weights is not None:  # eager attention already produced them
             probabilities = attention_weights[:, :, -rows:, :].float()
         else:
-            hidden_states = kwargs["hidden_states"][:, -rows:]
+            if projected_queries is None:
+                projected_queries = module.q_proj(kwargs["hidden_states"][:, -rows:])
             cos, sin = kwargs["position_embeddings"]
-            queries = project_queries(module, hidden_states, (cos[:, -rows:], sin[:, -rows:]))
-            slots = torch.arange(layer.retained, device=real.device)
-            causal = slots.view(1, -1) <= torch.arange(layer.retained - rows, layer.retained, device=real.device).view(-1, 1)
-            visible = causal.unsqueeze(0) & real.unsqueeze(1)
-            probabilities = attention_rows(queries, layer.keys, module.scaling, visible)
-        probabilities = probabilities * real_queries[:, None, :, None]
+            queries = finish_queries(module, projected_queries[:, -rows:], (cos[:, -rows:], sin[:, -rows:]))
+            probabilities = attention_rows(queries, layer.keys, module.scaling, real)
+        if real is not None:  # padding queries add nothing
+            probabilities = probabilities * real[:, -rows:][:, None, :, None]
         if kind == "all":
             layer.accumulated = accumulate_attention(layer.accumulated, probabilities)
         else:
@@ -316,19 +335,6 @@ class EvictionCache(Cache):
         return CacheStats(seen, kept, seen - kept, now, max(self._peak_kv_bytes, now), full)
 
 
-def _real_slots(attention_mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
-    """``(B, N)`` bool: which cache slots hold real tokens rather than left padding.
-
-    The newest query of a step sees every earlier slot unless it is padding, so its row of the 4D mask (bool for
-    sdpa, additive float for eager) is the padding mask of the slots."""
-    batch, tokens = keys.shape[0], keys.shape[-2]
-    if attention_mask is None or attention_mask.dim() != 4:
-        return torch.ones(batch, tokens, dtype=torch.bool, device=keys.device)
-    row = attention_mask[:, 0, -1, -tokens:]
-    real = row if row.dtype == torch.bool else row == 0
-    return real.expand(batch, tokens)
-
-
 def _validate(budget, block_size, sink_tokens, recent_window, gqa) -> None:
     for name, value, low in (("budget", budget, 1), ("block_size", block_size, 1),
                              ("sink_tokens", sink_tokens, 0), ("recent_window", recent_window, 0)):
@@ -343,6 +349,18 @@ def _validate(budget, block_size, sink_tokens, recent_window, gqa) -> None:
         raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {gqa!r}")
 
 
+def _before_attention_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    module._caote_keep_queries = isinstance(cache, EvictionCache) and cache.policy.evicts
+
+
+def _keep_projected_queries(attention: nn.Module):
+    def hook(q_proj: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if getattr(attention, "_caote_keep_queries", False):
+            attention._caote_projected_queries = output
+    return hook
+
+
 def _after_attention_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, EvictionCache):
@@ -353,7 +371,14 @@ def _after_attention_hook(module: nn.Module, args: tuple, kwargs: dict, output) 
 
 
 def install_hooks(modules: list[nn.Module]) -> None:
-    """Add the eviction hook to each attention module once; it acts only on forwards given an EvictionCache."""
+    """Add the eviction hooks to each attention module once; they act only on forwards given an EvictionCache.
+
+    The query projection's output is kept for the scores (instead of projecting again); the hook after attention
+    scores and evicts."""
     for module in modules:
-        if getattr(module, "_caote_hook", None) is None:
-            module._caote_hook = module.register_forward_hook(_after_attention_hook, with_kwargs=True)
+        if getattr(module, "_caote_hooks", None) is None:
+            module._caote_hooks = (
+                module.register_forward_pre_hook(_before_attention_hook, with_kwargs=True),
+                module.q_proj.register_forward_hook(_keep_projected_queries(module)),
+                module.register_forward_hook(_after_attention_hook, with_kwargs=True),
+            )
