@@ -278,7 +278,7 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
     with torch.no_grad():
         start = time.perf_counter()
         for begin in range(0, context, step):
-            output = model(input_ids=ids[:, begin:begin + step], past_key_values=cache, use_cache=True,
+            output = model(input_ids=ids[:, begin:begin + step], cache=cache, use_cache=True,
                            logits_to_keep=1)
         prefill_s = time.perf_counter() - start
     peak_rss = peak_rss_bytes()
@@ -302,7 +302,7 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
             start = time.perf_counter()
             for _ in range(new_tokens):
                 kv_read += cache_bytes(cache)  # what this step's attention reads (before its own token is added)
-                output = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                output = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
                 token = output.logits[:, -1].argmax(-1, keepdim=True)
             decode_s = time.perf_counter() - start
         sample.update(decode_s=decode_s, decode_tokens_per_s=new_tokens / decode_s,

@@ -1,8 +1,9 @@
 """`EvictionCache`: a transformers `Cache` that holds at most ``budget`` tokens per layer.
 
-Used as ``model.generate(ids, past_key_values=EvictionCache(model, budget=512, policy="snapkv+caote"),
-prefill_chunk_size=128)``. Each forward step runs attention over the retained tokens plus the new ones; right after a
-layer's attention, a hook scores every token and the layer keeps its top ``budget``:
+Used as ``model.generate(ids, cache=EvictionCache(model, budget=512, policy="snapkv+caote"), prefill_chunk_size=128)``
+(``past_key_values=`` works too; transformers 5.2x renamed it). Each forward step runs attention over the retained
+tokens plus the new ones; right after a layer's attention, a hook scores every token and the layer keeps its top
+``budget``:
 
     attention probabilities -> base score -> value-aware transform -> GQA aggregation -> protect -> keep top-b -> gather
 """
@@ -160,13 +161,9 @@ class EvictionCache(Cache):
     ):
         self.policy: Policy = parse_policy(policy)
         modules = attention_modules(model)
-        if recent_window is None and self.policy.evicts:
-            default = self.policy.base.recent_window
-            recent_window = int(default * budget) if isinstance(default, float) else default
-        _validate(budget, block_size, sink_tokens, recent_window or 0, gqa)
+        self.recent_window = validate_settings(self.policy, budget, block_size, sink_tokens, recent_window, gqa)
         super().__init__(layers=[EvictionLayer() for _ in modules])
-        self.budget, self.block_size, self.sink_tokens = budget, block_size, sink_tokens
-        self.recent_window, self.gqa, self.seed = recent_window or 0, gqa, seed
+        self.budget, self.block_size, self.sink_tokens, self.gqa, self.seed = budget, block_size, sink_tokens, gqa, seed
         self.model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._modules = modules
         self._generator: torch.Generator | None = None
@@ -335,11 +332,16 @@ class EvictionCache(Cache):
         return CacheStats(seen, kept, seen - kept, now, max(self._peak_kv_bytes, now), full)
 
 
-def _validate(budget, block_size, sink_tokens, recent_window, gqa) -> None:
-    for name, value, low in (("budget", budget, 1), ("block_size", block_size, 1),
-                             ("sink_tokens", sink_tokens, 0), ("recent_window", recent_window, 0)):
+def validate_settings(policy: Policy, budget, block_size, sink_tokens, recent_window, gqa) -> int:
+    """Check the cache settings with one-line errors naming the value and what is allowed; returns the recent window
+    in effect (``None`` means the policy's default, a share of the budget for H2O)."""
+    for name, value, low in (("budget", budget, 1), ("block_size", block_size, 1), ("sink_tokens", sink_tokens, 0),
+                             ("recent_window", 0 if recent_window is None else recent_window, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if recent_window is None:
+        default = policy.base.recent_window if policy.evicts else 0
+        recent_window = int(default * budget) if isinstance(default, float) else default
     if budget <= sink_tokens + recent_window:
         raise ValueError(
             f"budget {budget} leaves no room to choose: it must exceed sink_tokens + recent_window "
@@ -347,6 +349,7 @@ def _validate(budget, block_size, sink_tokens, recent_window, gqa) -> None:
         )
     if gqa not in GQA_AGGREGATIONS:
         raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {gqa!r}")
+    return recent_window
 
 
 def _before_attention_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:

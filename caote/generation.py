@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from caote.attention import attention_modules
-from caote.cache import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS, CacheStats, EvictionCache, _validate
+from caote.cache import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS, CacheStats, EvictionCache, validate_settings
 from caote.policies import parse_policy
 
 # generate() options that need a cache which can be cropped, reordered or re-batched (EvictionCache cannot).
@@ -45,10 +45,7 @@ def check_settings(budget: int, policy: str, block_size: int = DEFAULT_BLOCK_SIZ
     parsed = parse_policy(policy)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if recent_window is None and parsed.evicts and isinstance(budget, int) and not isinstance(budget, bool):
-        default = parsed.base.recent_window
-        recent_window = int(default * budget) if isinstance(default, float) else default
-    _validate(budget, block_size, sink_tokens, recent_window or 0, gqa)
+    validate_settings(parsed, budget, block_size, sink_tokens, recent_window, gqa)
 
 
 def check_generate_options(model, options: dict) -> None:
