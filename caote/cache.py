@@ -65,9 +65,11 @@ class EvictionLayer(DynamicLayer):
 
     def keep(self, indices: torch.Tensor) -> None:
         """Gather the tokens ``indices`` ``(B, H_kv, b)`` (sorted) from every per-token tensor of the layer."""
-        expand = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys = self.keys.gather(2, expand)
-        self.values = self.values.gather(2, expand)
+        batch, kv_heads, tokens, dim = self.keys.shape
+        # Copy whole head_dim rows of the flattened (B * H_kv * N, d) tensors: far cheaper than element-wise gather.
+        rows = (indices + torch.arange(batch * kv_heads, device=indices.device).view(batch, kv_heads, 1) * tokens).view(-1)
+        self.keys = self.keys.reshape(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
+        self.values = self.values.reshape(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
         self.positions = self.positions.gather(2, indices)
         if self.accumulated is not None or self.recent_rows is not None:
             group = (self.accumulated if self.accumulated is not None else self.recent_rows).shape[1] // indices.shape[1]
@@ -146,6 +148,10 @@ class EvictionCache(Cache):
         Plain base scores are always averaged over the group.
     seed:
         Seed of the ``random`` policy.
+    decode_eviction_interval:
+        Decoding evicts one token per step by default (1). With ``k > 1`` a decode step that overflows the budget
+        evicts ``k`` tokens at once, so scoring runs every ``k`` steps; the cache then holds between
+        ``budget - k + 1`` and ``budget`` tokens. Prefill blocks always evict down to ``budget``.
     """
 
     def __init__(
@@ -158,10 +164,13 @@ class EvictionCache(Cache):
         recent_window: int | None = None,
         gqa: str = "rss",
         seed: int = 0,
+        decode_eviction_interval: int = 1,
     ):
         self.policy: Policy = parse_policy(policy)
         modules = attention_modules(model)
-        self.recent_window = validate_settings(self.policy, budget, block_size, sink_tokens, recent_window, gqa)
+        self.recent_window = validate_settings(self.policy, budget, block_size, sink_tokens, recent_window, gqa,
+                                               decode_eviction_interval)
+        self.decode_eviction_interval = decode_eviction_interval
         super().__init__(layers=[EvictionLayer() for _ in modules])
         self.budget, self.block_size, self.sink_tokens, self.gqa, self.seed = budget, block_size, sink_tokens, gqa, seed
         self.model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -244,10 +253,11 @@ class EvictionCache(Cache):
         self._record_attention(layer, module, kwargs, attention_weights, projected_queries, real)
         if layer.retained <= self.budget:
             return
+        kept = self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1
         inputs = ScoreInputs(layer.keys, layer.values, layer.positions, layer.accumulated, layer.recent_rows,
                              self._random_generator(layer.keys.device))
         scores = self._protect(self.policy.scores(inputs, self.gqa), layer.positions)
-        layer.keep(scores.topk(self.budget, dim=-1, sorted=False).indices.sort(dim=-1).values)
+        layer.keep(scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
 
     def _real_slots(self, attention_mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor | None:
         """``(B, N)`` bool: which cache slots hold real tokens rather than left padding; None when none is padding.
@@ -332,11 +342,13 @@ class EvictionCache(Cache):
         return CacheStats(seen, kept, seen - kept, now, max(self._peak_kv_bytes, now), full)
 
 
-def validate_settings(policy: Policy, budget, block_size, sink_tokens, recent_window, gqa) -> int:
+def validate_settings(policy: Policy, budget, block_size, sink_tokens, recent_window, gqa,
+                      decode_eviction_interval=1) -> int:
     """Check the cache settings with one-line errors naming the value and what is allowed; returns the recent window
     in effect (``None`` means the policy's default, a share of the budget for H2O)."""
     for name, value, low in (("budget", budget, 1), ("block_size", block_size, 1), ("sink_tokens", sink_tokens, 0),
-                             ("recent_window", 0 if recent_window is None else recent_window, 0)):
+                             ("recent_window", 0 if recent_window is None else recent_window, 0),
+                             ("decode_eviction_interval", decode_eviction_interval, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if recent_window is None:
@@ -346,6 +358,11 @@ def validate_settings(policy: Policy, budget, block_size, sink_tokens, recent_wi
         raise ValueError(
             f"budget {budget} leaves no room to choose: it must exceed sink_tokens + recent_window "
             f"= {sink_tokens} + {recent_window}"
+        )
+    if budget - decode_eviction_interval + 1 <= sink_tokens + recent_window:
+        raise ValueError(
+            f"decode_eviction_interval {decode_eviction_interval} is too large for budget {budget}: "
+            f"budget - interval + 1 must exceed sink_tokens + recent_window = {sink_tokens} + {recent_window}"
         )
     if gqa not in GQA_AGGREGATIONS:
         raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {gqa!r}")

@@ -23,7 +23,7 @@ UNSUPPORTED_MODES = {
 }
 # generate() arguments caote.generate sets itself.
 RESERVED_ARGUMENTS = ("cache", "past_key_values", "prefill_chunk_size", "use_cache", "input_ids", "inputs")
-CACHE_ARGUMENTS = ("sink_tokens", "recent_window", "gqa", "seed")
+CACHE_ARGUMENTS = ("sink_tokens", "recent_window", "gqa", "seed", "decode_eviction_interval")
 
 
 @dataclass
@@ -36,7 +36,8 @@ class GenerationResult:
 
 
 def check_settings(budget: int, policy: str, block_size: int = DEFAULT_BLOCK_SIZE, max_new_tokens: int = 1,
-                   sink_tokens: int = DEFAULT_SINK_TOKENS, recent_window: int | None = None, gqa: str = "rss") -> None:
+                   sink_tokens: int = DEFAULT_SINK_TOKENS, recent_window: int | None = None, gqa: str = "rss",
+                   seed: int = 0, decode_eviction_interval: int = 1) -> None:
     """Validate the cache settings without a model (same rules and messages as `EvictionCache`).
 
     Raises a one-line `ValueError` naming the bad value and what is allowed: unknown policy (with the closest
@@ -45,7 +46,7 @@ def check_settings(budget: int, policy: str, block_size: int = DEFAULT_BLOCK_SIZ
     parsed = parse_policy(policy)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    validate_settings(parsed, budget, block_size, sink_tokens, recent_window, gqa)
+    validate_settings(parsed, budget, block_size, sink_tokens, recent_window, gqa, decode_eviction_interval)
 
 
 def check_generate_options(model, options: dict) -> None:
@@ -132,7 +133,8 @@ def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: st
     ``prompt_or_messages`` is a string (tokenised as is) or a list of chat messages (``[{"role": "user",
     "content": ...}]``, run through the tokenizer's chat template with the generation prompt). The prompt is
     consumed in blocks of ``block_size`` tokens (evicting after each) and every decoded token evicts one. Extra
-    keyword arguments go to `EvictionCache` (``sink_tokens``, ``recent_window``, ``gqa``, ``seed``) or else to
+    keyword arguments go to `EvictionCache` (``sink_tokens``, ``recent_window``, ``gqa``, ``seed``,
+    ``decode_eviction_interval``) or else to
     ``model.generate`` (``do_sample``, ``temperature``, ...); decoding defaults to greedy.
 
     Every input is checked before the first forward: policy, budget, block size, the model class, the decoding mode (beam search,

@@ -196,3 +196,18 @@ def test_a_model_without_caote_hooks_is_caught_instead_of_growing_silently(llama
     cache = EvictionCache(llama, budget=40, policy="tova", block_size=BLOCK)
     with pytest.raises(ValueError, match="has no caote hooks"):
         greedy(other, random_ids(100), cache)
+
+
+def test_a_decode_eviction_interval_evicts_k_tokens_every_k_steps_within_budget(llama):
+    budget, interval = 48, 4
+    cache = EvictionCache(llama, budget=budget, policy="tova+caote", block_size=BLOCK, decode_eviction_interval=interval)
+    sizes = []
+    handle = llama.register_forward_hook(lambda *_: sizes.append(cache.layers[0].keys.shape[-2]))
+    try:
+        greedy(llama, random_ids(128), cache, new_tokens=13)
+    finally:
+        handle.remove()
+    # 4 prefill blocks (the last evicts to the budget), then decode steps: 48 -> 45 on overflow, grow back to 48, ...
+    assert sizes == [32, 48, 48, 48] + [45, 46, 47, 48] * 3
+    with pytest.raises(ValueError, match="decode_eviction_interval 45 is too large for budget 48"):
+        EvictionCache(llama, budget=48, policy="tova", decode_eviction_interval=45)
