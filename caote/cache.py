@@ -240,7 +240,7 @@ class EvictionCache(Cache):
             )
         layer: EvictionLayer = self.layers[module.layer_idx]
         new = layer.new_tokens
-        if new > self.block_size and self.policy.evicts:
+        if new > self.block_size and self.policy.evicts and module.layer_idx == 0:  # once per forward
             logger.warning(
                 "EvictionCache received %d tokens in one forward (block size %d): attention over them is not "
                 "bounded by the budget; pass prefill_chunk_size=%d to generate", new, self.block_size, self.block_size)

@@ -211,3 +211,12 @@ def test_a_decode_eviction_interval_evicts_k_tokens_every_k_steps_within_budget(
     assert sizes == [32, 48, 48, 48] + [45, 46, 47, 48] * 3
     with pytest.raises(ValueError, match="decode_eviction_interval 45 is too large for budget 48"):
         EvictionCache(llama, budget=48, policy="tova", decode_eviction_interval=45)
+
+
+def test_a_forward_larger_than_the_block_warns_once(llama, caplog):
+    cache = EvictionCache(llama, budget=40, policy="tova", block_size=BLOCK)
+    with caplog.at_level("WARNING", logger="caote.cache"), torch.no_grad():
+        llama(random_ids(100), cache=cache, use_cache=True)
+    warnings = [record for record in caplog.records if "not bounded by the budget" in record.getMessage()]
+    assert len(warnings) == 1 and "prefill_chunk_size=32" in warnings[0].getMessage()
+    assert cache.layers[0].keys.shape[-2] == 40
