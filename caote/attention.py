@@ -59,7 +59,7 @@ def attention_rows(
     logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).view(batch, heads, rows, tokens)
     logits.mul_(scaling)
     future = torch.ones(rows, rows, dtype=torch.bool, device=logits.device).triu_(1)
-    logits[..., tokens - rows:].masked_fill_(future, float("-inf"))
+    logits[..., tokens - rows :].masked_fill_(future, float("-inf"))
     if real_slots is None:
         return torch.softmax(logits, dim=-1)
     logits.masked_fill_(~real_slots[:, None, None, :], float("-inf"))

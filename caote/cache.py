@@ -67,12 +67,16 @@ class EvictionLayer(DynamicLayer):
         """Gather the tokens ``indices`` ``(B, H_kv, b)`` (sorted) from every per-token tensor of the layer."""
         batch, kv_heads, tokens, dim = self.keys.shape
         # Copy whole head_dim rows of the flattened (B * H_kv * N, d) tensors: far cheaper than element-wise gather.
-        rows = (indices + torch.arange(batch * kv_heads, device=indices.device).view(batch, kv_heads, 1) * tokens).view(-1)
+        rows = (indices + torch.arange(batch * kv_heads, device=indices.device).view(batch, kv_heads, 1) * tokens).view(
+            -1
+        )
         self.keys = self.keys.reshape(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
         self.values = self.values.reshape(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
         self.positions = self.positions.gather(2, indices)
         if self.accumulated is not None or self.recent_rows is not None:
-            group = (self.accumulated if self.accumulated is not None else self.recent_rows).shape[1] // indices.shape[1]
+            group = (self.accumulated if self.accumulated is not None else self.recent_rows).shape[1] // indices.shape[
+                1
+            ]
             per_query_head = indices.repeat_interleave(group, dim=1)
             if self.accumulated is not None:
                 self.accumulated = self.accumulated.gather(2, per_query_head)
@@ -168,8 +172,9 @@ class EvictionCache(Cache):
     ):
         self.policy: Policy = parse_policy(policy)
         modules = attention_modules(model)
-        self.recent_window = validate_settings(self.policy, budget, block_size, sink_tokens, recent_window, gqa,
-                                               decode_eviction_interval)
+        self.recent_window = validate_settings(
+            self.policy, budget, block_size, sink_tokens, recent_window, gqa, decode_eviction_interval
+        )
         self.decode_eviction_interval = decode_eviction_interval
         super().__init__(layers=[EvictionLayer() for _ in modules])
         self.budget, self.block_size, self.sink_tokens, self.gqa, self.seed = budget, block_size, sink_tokens, gqa, seed
@@ -181,8 +186,10 @@ class EvictionCache(Cache):
         install_hooks(modules)
 
     def __repr__(self):
-        return (f"EvictionCache(policy={self.policy.name!r}, budget={self.budget}, block_size={self.block_size}, "
-                f"sink_tokens={self.sink_tokens}, recent_window={self.recent_window}, gqa={self.gqa!r})")
+        return (
+            f"EvictionCache(policy={self.policy.name!r}, budget={self.budget}, block_size={self.block_size}, "
+            f"sink_tokens={self.sink_tokens}, recent_window={self.recent_window}, gqa={self.gqa!r})"
+        )
 
     # -- generate integration ------------------------------------------------------------------------------------
 
@@ -235,15 +242,17 @@ class EvictionCache(Cache):
     def after_attention(self, module: nn.Module, kwargs: dict, attention_weights: torch.Tensor | None) -> None:
         """Score the tokens of ``module``'s layer and keep the top ``budget`` (called by the attention hook)."""
         if self._modules[module.layer_idx] is not module:
-            raise ValueError(
-                f"this EvictionCache was built for {self.model_name!r}; build a new one for each model"
-            )
+            raise ValueError(f"this EvictionCache was built for {self.model_name!r}; build a new one for each model")
         layer: EvictionLayer = self.layers[module.layer_idx]
         new = layer.new_tokens
         if new > self.block_size and self.policy.evicts and module.layer_idx == 0:  # once per forward
             logger.warning(
                 "EvictionCache received %d tokens in one forward (block size %d): attention over them is not "
-                "bounded by the budget; pass prefill_chunk_size=%d to generate", new, self.block_size, self.block_size)
+                "bounded by the budget; pass prefill_chunk_size=%d to generate",
+                new,
+                self.block_size,
+                self.block_size,
+            )
         projected_queries = module.__dict__.pop("_caote_projected_queries", None)
         real = self._real_slots(kwargs.get("attention_mask"), layer.keys)
         self._record_positions(layer, kwargs, real)
@@ -254,8 +263,14 @@ class EvictionCache(Cache):
         if layer.retained <= self.budget:
             return
         kept = self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1
-        inputs = ScoreInputs(layer.keys, layer.values, layer.positions, layer.accumulated, layer.recent_rows,
-                             self._random_generator(layer.keys.device))
+        inputs = ScoreInputs(
+            layer.keys,
+            layer.values,
+            layer.positions,
+            layer.accumulated,
+            layer.recent_rows,
+            self._random_generator(layer.keys.device),
+        )
         scores = self._protect(self.policy.scores(inputs, self.gqa), layer.positions)
         layer.keep(scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
 
@@ -269,7 +284,7 @@ class EvictionCache(Cache):
             return None
         if self._mask_seen is not None and self._mask_seen[0] is attention_mask:
             return self._mask_seen[1]
-        row = attention_mask[:, 0, -1, -keys.shape[-2]:]
+        row = attention_mask[:, 0, -1, -keys.shape[-2] :]
         real = (row if row.dtype == torch.bool else row == 0).expand(keys.shape[0], -1)
         real = None if bool(real.all()) else real
         self._mask_seen = (attention_mask, real)
@@ -307,7 +322,9 @@ class EvictionCache(Cache):
         if kind == "all":
             layer.accumulated = accumulate_attention(layer.accumulated, probabilities)
         else:
-            layer.recent_rows = keep_recent_rows(layer.recent_rows, probabilities, SNAPKV_WINDOW if kind == "window" else 1)
+            layer.recent_rows = keep_recent_rows(
+                layer.recent_rows, probabilities, SNAPKV_WINDOW if kind == "window" else 1
+            )
 
     def _protect(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Sinks and the recent window always stay; padding always goes first (which keeps the slots that the 2D
@@ -330,7 +347,8 @@ class EvictionCache(Cache):
         """Bytes of keys and values held right now, over all layers."""
         return sum(
             layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-            for layer in self.layers if layer.is_initialized
+            for layer in self.layers
+            if layer.is_initialized
         )
 
     def stats(self) -> CacheStats:
@@ -342,13 +360,18 @@ class EvictionCache(Cache):
         return CacheStats(seen, kept, seen - kept, now, max(self._peak_kv_bytes, now), full)
 
 
-def validate_settings(policy: Policy, budget, block_size, sink_tokens, recent_window, gqa,
-                      decode_eviction_interval=1) -> int:
+def validate_settings(
+    policy: Policy, budget, block_size, sink_tokens, recent_window, gqa, decode_eviction_interval=1
+) -> int:
     """Check the cache settings with one-line errors naming the value and what is allowed; returns the recent window
     in effect (``None`` means the policy's default, a share of the budget for H2O)."""
-    for name, value, low in (("budget", budget, 1), ("block_size", block_size, 1), ("sink_tokens", sink_tokens, 0),
-                             ("recent_window", 0 if recent_window is None else recent_window, 0),
-                             ("decode_eviction_interval", decode_eviction_interval, 1)):
+    for name, value, low in (
+        ("budget", budget, 1),
+        ("block_size", block_size, 1),
+        ("sink_tokens", sink_tokens, 0),
+        ("recent_window", 0 if recent_window is None else recent_window, 0),
+        ("decode_eviction_interval", decode_eviction_interval, 1),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if recent_window is None:
@@ -378,6 +401,7 @@ def _keep_projected_queries(attention: nn.Module):
     def hook(q_proj: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if getattr(attention, "_caote_keep_queries", False):
             attention._caote_projected_queries = output
+
     return hook
 
 

@@ -1,7 +1,8 @@
 """The ``caote`` command line: ``caote generate | policies | eval | bench``.
 
-Run as ``caote ...`` or ``python -m caote ...``. Each subcommand lives in its own module and exposes ``add_parser(subparsers)``, which registers the parser and sets
-``func(args) -> int`` on it. Exit codes: 0 success, 2 usage error, 1 runtime error.
+Run as ``caote ...`` or ``python -m caote ...``. Each subcommand lives in its own module and exposes
+``add_parser(subparsers)``, which registers the parser and sets ``func(args) -> int`` on it.
+Exit codes: 0 success, 2 usage error, 1 runtime error.
 """
 
 from __future__ import annotations

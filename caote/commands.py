@@ -42,22 +42,42 @@ def add_parser(subparsers) -> None:
     )
     generate.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
     generate.add_argument("--prompt-file", type=Path, metavar="PATH", help="read the prompt from this file")
-    generate.add_argument("--model", default="smollm2-135m",
-                          help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)")
-    generate.add_argument("--budget", type=_positive_int, default=DEFAULT_BUDGET,
-                          help="KV tokens kept per layer (default: %(default)s)")
-    generate.add_argument("--policy", default=DEFAULT_POLICY,
-                          help="eviction policy, see 'caote policies' (default: %(default)s)")
-    generate.add_argument("--max-new-tokens", type=_positive_int, default=DEFAULT_MAX_NEW_TOKENS,
-                          help="most tokens to generate (default: %(default)s)")
-    generate.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
-                          help="prompt tokens per prefill block (default: %(default)s)")
-    generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                          help="wrap the prompt in the model's chat template as a user message (default: on)")
-    generate.add_argument("--stats", action="store_true",
-                          help="print tokens seen / kept and KV bytes saved to stderr")
-    generate.add_argument("--output", type=Path, metavar="PATH",
-                          help="also write the answer to PATH (atomically; nothing is written on failure)")
+    generate.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--budget", type=_positive_int, default=DEFAULT_BUDGET, help="KV tokens kept per layer (default: %(default)s)"
+    )
+    generate.add_argument(
+        "--policy", default=DEFAULT_POLICY, help="eviction policy, see 'caote policies' (default: %(default)s)"
+    )
+    generate.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="most tokens to generate (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="prompt tokens per prefill block (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template as a user message (default: on)",
+    )
+    generate.add_argument("--stats", action="store_true", help="print tokens seen / kept and KV bytes saved to stderr")
+    generate.add_argument(
+        "--output",
+        type=Path,
+        metavar="PATH",
+        help="also write the answer to PATH (atomically; nothing is written on failure)",
+    )
     generate.set_defaults(func=run_generate)
 
     policies = subparsers.add_parser(
@@ -133,11 +153,13 @@ def format_stats(stats) -> str:
     mib = 1024 * 1024
     saved = stats.kv_bytes_saved
     share = 100.0 * saved / stats.full_kv_bytes if stats.full_kv_bytes else 0.0
-    return "\n".join([
-        f"tokens seen: {stats.tokens_seen}, kept: {stats.tokens_kept}, evicted: {stats.tokens_evicted} (per layer)",
-        f"KV cache: {stats.kv_bytes / mib:.2f} MiB held (peak {stats.peak_kv_bytes / mib:.2f} MiB) vs "
-        f"{stats.full_kv_bytes / mib:.2f} MiB for a full cache; saved {saved / mib:.2f} MiB ({share:.1f}%)",
-    ])
+    return "\n".join(
+        [
+            f"tokens seen: {stats.tokens_seen}, kept: {stats.tokens_kept}, evicted: {stats.tokens_evicted} (per layer)",
+            f"KV cache: {stats.kv_bytes / mib:.2f} MiB held (peak {stats.peak_kv_bytes / mib:.2f} MiB) vs "
+            f"{stats.full_kv_bytes / mib:.2f} MiB for a full cache; saved {saved / mib:.2f} MiB ({share:.1f}%)",
+        ]
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -147,8 +169,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
     text = read_prompt(args.prompt, args.prompt_file)
     try:
-        check_settings(budget=args.budget, policy=args.policy, block_size=args.block_size,
-                       max_new_tokens=args.max_new_tokens)
+        check_settings(
+            budget=args.budget, policy=args.policy, block_size=args.block_size, max_new_tokens=args.max_new_tokens
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.output is not None:
@@ -170,12 +193,19 @@ def run_generate(args: argparse.Namespace) -> int:
         if getattr(tokenizer, "chat_template", None):
             prompt = [{"role": "user", "content": text}]
         else:
-            print(f"caote generate: note: {args.model!r} has no chat template; using the raw prompt",
-                  file=sys.stderr)
+            print(f"caote generate: note: {args.model!r} has no chat template; using the raw prompt", file=sys.stderr)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    result = generate(model, tokenizer, prompt, budget=args.budget, policy=args.policy,
-                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, return_stats=True,
-                      streamer=streamer)
+    result = generate(
+        model,
+        tokenizer,
+        prompt,
+        budget=args.budget,
+        policy=args.policy,
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+        return_stats=True,
+        streamer=streamer,
+    )
     sys.stdout.flush()
     if args.output is not None:
         write_atomically(args.output, result.text)

@@ -35,9 +35,17 @@ class GenerationResult:
     stats: CacheStats
 
 
-def check_settings(budget: int, policy: str, block_size: int = DEFAULT_BLOCK_SIZE, max_new_tokens: int = 1,
-                   sink_tokens: int = DEFAULT_SINK_TOKENS, recent_window: int | None = None, gqa: str = "rss",
-                   seed: int = 0, decode_eviction_interval: int = 1) -> None:
+def check_settings(
+    budget: int,
+    policy: str,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_new_tokens: int = 1,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    recent_window: int | None = None,
+    gqa: str = "rss",
+    seed: int = 0,
+    decode_eviction_interval: int = 1,
+) -> None:
     """Validate the cache settings without a model (same rules and messages as `EvictionCache`).
 
     Raises a one-line `ValueError` naming the bad value and what is allowed: unknown policy (with the closest
@@ -61,8 +69,14 @@ def check_generate_options(model, options: dict) -> None:
         if name in options:
             value = options[name]
         else:
-            value = next((getattr(config, name) for config in configs
-                          if config is not None and getattr(config, name, None) is not None), None)
+            value = next(
+                (
+                    getattr(config, name)
+                    for config in configs
+                    if config is not None and getattr(config, name, None) is not None
+                ),
+                None,
+            )
         if active(value):
             shown = repr(value) if isinstance(value, (int, float, str)) else f"<{type(value).__name__}>"
             raise ValueError(
@@ -108,26 +122,40 @@ def encode_prompt(tokenizer, prompt_or_messages) -> torch.Tensor:
     elif isinstance(prompt_or_messages, (list, tuple)):
         if not prompt_or_messages:
             raise ValueError("the message list is empty")
-        if not all(isinstance(message, dict) and "role" in message and "content" in message
-                   for message in prompt_or_messages):
-            raise ValueError("chat messages must be dicts with 'role' and 'content', "
-                             "e.g. [{'role': 'user', 'content': '...'}]")
+        if not all(
+            isinstance(message, dict) and "role" in message and "content" in message for message in prompt_or_messages
+        ):
+            raise ValueError(
+                "chat messages must be dicts with 'role' and 'content', e.g. [{'role': 'user', 'content': '...'}]"
+            )
         if not any(str(message["content"]).strip() for message in prompt_or_messages):
             raise ValueError("the prompt is empty: every message has empty content")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass the prompt as a plain string instead")
-        ids = tokenizer.apply_chat_template(list(prompt_or_messages), add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            list(prompt_or_messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
     else:
-        raise ValueError(f"the prompt must be a string or a list of chat messages, got {type(prompt_or_messages).__name__}")
+        raise ValueError(
+            f"the prompt must be a string or a list of chat messages, got {type(prompt_or_messages).__name__}"
+        )
     if ids.shape[-1] == 0:
         raise ValueError("the prompt is empty after tokenisation")
     return ids
 
 
-def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: str = "tova+caote",
-             max_new_tokens: int = 64, block_size: int = DEFAULT_BLOCK_SIZE, return_stats: bool = False,
-             streamer=None, **cache_and_generate_kwargs):
+def generate(
+    model,
+    tokenizer,
+    prompt_or_messages,
+    budget: int = 512,
+    policy: str = "tova+caote",
+    max_new_tokens: int = 64,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    return_stats: bool = False,
+    streamer=None,
+    **cache_and_generate_kwargs,
+):
     """Answer ``prompt_or_messages`` with ``model`` while every layer keeps at most ``budget`` KV tokens.
 
     ``prompt_or_messages`` is a string (tokenised as is) or a list of chat messages (``[{"role": "user",
@@ -137,13 +165,16 @@ def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: st
     ``decode_eviction_interval``) or else to
     ``model.generate`` (``do_sample``, ``temperature``, ...); decoding defaults to greedy.
 
-    Every input is checked before the first forward: policy, budget, block size, the model class, the decoding mode (beam search,
-    assisted / prompt-lookup decoding and contrastive search are refused, since the cache cannot be cropped or
-    reordered), an empty prompt and a prompt beyond the model's position limit each raise a one-line `ValueError`.
+    Every input is checked before the first forward: policy, budget, block size, the model class, the decoding mode
+    (beam search, assisted / prompt-lookup decoding and contrastive search are refused, since the cache cannot be
+    cropped or reordered), an empty prompt and a prompt beyond the model's position limit each raise a one-line
+    `ValueError`.
 
     Returns the text, or a `GenerationResult` (text, token ids, `CacheStats`) with ``return_stats=True``.
     """
-    cache_kwargs = {key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs}
+    cache_kwargs = {
+        key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs
+    }
     check_settings(budget, policy, block_size, max_new_tokens, **cache_kwargs)
     attention_modules(model)  # refuses unsupported architectures before anything runs
     check_generate_options(model, cache_and_generate_kwargs)
@@ -169,6 +200,6 @@ def generate(model, tokenizer, prompt_or_messages, budget: int = 512, policy: st
             streamer=streamer,
             **cache_and_generate_kwargs,
         )
-    new_ids = output[0, input_ids.shape[1]:].tolist()
+    new_ids = output[0, input_ids.shape[1] :].tolist()
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return GenerationResult(text, new_ids, cache.stats()) if return_stats else text

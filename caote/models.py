@@ -71,8 +71,12 @@ def resolve_model_path(name: str) -> str:
     return str(target)
 
 
-def load_model(name: str = BUNDLED_MODEL, dtype: torch.dtype = torch.float32, device: str | None = None,
-               attn_implementation: str = "sdpa"):
+def load_model(
+    name: str = BUNDLED_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | None = None,
+    attn_implementation: str = "sdpa",
+):
     """``(model, tokenizer)`` in eval mode, offline. ``name``: ``smollm2-135m``, a local path or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -35,8 +35,9 @@ def split_chat_template(tokenizer, context: str) -> tuple[str, str]:
     with the generation prompt, split at the separator. Without a chat template: ``(context, "")``."""
     if not getattr(tokenizer, "chat_template", None):
         return context, ""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": context + SEPARATOR}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": context + SEPARATOR}], add_generation_prompt=True, tokenize=False
+    )
     if text.count(SEPARATOR) != 1:
         raise ValueError("the tokenizer's chat template altered the question separator; pass chat=False")
     head, tail = text.split(SEPARATOR)
@@ -58,13 +59,25 @@ class CaoteTextGenerationPipeline(Pipeline):
     _load_feature_extractor = False
     _load_tokenizer = True
 
-    def _sanitize_parameters(self, question=None, questions=None, answer_prefix: str = "", chat=None,
-                             budget: int = 512, policy: str = "tova+caote", block_size: int = DEFAULT_BLOCK_SIZE,
-                             max_new_tokens: int = 50, return_stats: bool = False, **kwargs):
+    def _sanitize_parameters(
+        self,
+        question=None,
+        questions=None,
+        answer_prefix: str = "",
+        chat=None,
+        budget: int = 512,
+        policy: str = "tova+caote",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_new_tokens: int = 50,
+        return_stats: bool = False,
+        **kwargs,
+    ):
         unknown = sorted(set(kwargs) - set(CACHE_ARGUMENTS))
         if unknown:
-            raise ValueError(f"unknown argument(s) {', '.join(unknown)} for the {TASK} pipeline; "
-                             f"cache arguments are {', '.join(CACHE_ARGUMENTS)}")
+            raise ValueError(
+                f"unknown argument(s) {', '.join(unknown)} for the {TASK} pipeline; "
+                f"cache arguments are {', '.join(CACHE_ARGUMENTS)}"
+            )
         if question is not None and questions is not None:
             raise ValueError("give either question or questions, not both")
         if questions is not None:
@@ -78,8 +91,13 @@ class CaoteTextGenerationPipeline(Pipeline):
         cache_kwargs = {key: kwargs[key] for key in CACHE_ARGUMENTS if key in kwargs}
         check_settings(budget, policy, block_size, max_new_tokens, **cache_kwargs)
         preprocess = {"questions": items, "answer_prefix": answer_prefix, "chat": chat}
-        forward = {"budget": budget, "policy": policy, "block_size": block_size, "max_new_tokens": max_new_tokens,
-                   "cache_kwargs": cache_kwargs}
+        forward = {
+            "budget": budget,
+            "policy": policy,
+            "block_size": block_size,
+            "max_new_tokens": max_new_tokens,
+            "cache_kwargs": cache_kwargs,
+        }
         postprocess = {"single": questions is None, "return_stats": return_stats}
         return preprocess, forward, postprocess
 
@@ -100,8 +118,15 @@ class CaoteTextGenerationPipeline(Pipeline):
         ]
         return {"context_ids": context_ids, "question_ids": question_ids}
 
-    def _forward(self, model_inputs, budget=512, policy="tova+caote", block_size=DEFAULT_BLOCK_SIZE,
-                 max_new_tokens=50, cache_kwargs=None):
+    def _forward(
+        self,
+        model_inputs,
+        budget=512,
+        policy="tova+caote",
+        block_size=DEFAULT_BLOCK_SIZE,
+        max_new_tokens=50,
+        cache_kwargs=None,
+    ):
         context_ids = model_inputs["context_ids"]
         question_ids = model_inputs["question_ids"]
         longest = max(ids.shape[-1] for ids in question_ids)
@@ -123,7 +148,7 @@ class CaoteTextGenerationPipeline(Pipeline):
         logits = None
         ids = ids.to(self.model.device)
         for start in range(0, ids.shape[-1], block_size):
-            block = ids[:, start:start + block_size]
+            block = ids[:, start : start + block_size]
             output = self.model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=1)
             logits = output.logits[:, -1]
         return logits
@@ -156,8 +181,9 @@ class CaoteTextGenerationPipeline(Pipeline):
 def register() -> None:
     """Register ``caote-text-generation`` with transformers (idempotent; done on ``import caote``)."""
     if TASK not in PIPELINE_REGISTRY.get_supported_tasks():
-        PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=CaoteTextGenerationPipeline,
-                                            pt_model=AutoModelForCausalLM)
+        PIPELINE_REGISTRY.register_pipeline(
+            TASK, pipeline_class=CaoteTextGenerationPipeline, pt_model=AutoModelForCausalLM
+        )
 
 
 __all__ = ["CaoteTextGenerationPipeline", "register", "split_chat_template", "TASK"]

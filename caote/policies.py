@@ -56,22 +56,71 @@ SNAPKV_KERNEL = 5
 BASE_SCORES: dict[str, BaseScore] = {
     base.name: base
     for base in (
-        BaseScore("streamingllm", lambda x: scoring.streamingllm_score(x.positions), "none", False, False,
-                  "attention sinks + the most recent tokens", "Xiao et al. 2023, arXiv 2309.17453"),
-        BaseScore("h2o", lambda x: scoring.h2o_score(x.accumulated), "all", True, False,
-                  "attention accumulated over every query so far (heavy hitters; half the budget kept recent)",
-                  "Zhang et al. 2023, arXiv 2306.14048", recent_window=0.5),
-        BaseScore("tova", lambda x: scoring.tova_score(x.recent_rows), "last", True, False,
-                  "attention of the newest query", "Oren et al. 2024, arXiv 2401.06104"),
-        BaseScore("snapkv", lambda x: scoring.snapkv_score(x.recent_rows, SNAPKV_KERNEL), "window", True, False,
-                  f"attention of the last {SNAPKV_WINDOW} queries, pooled over {SNAPKV_KERNEL} neighbours",
-                  "Li et al. 2024, arXiv 2404.14469", recent_window=SNAPKV_WINDOW),
-        BaseScore("keydiff", lambda x: scoring.keydiff_score(x.keys), "none", False, True,
-                  "negative cosine similarity of each key to the mean key", "Park et al. 2025, arXiv 2504.15364"),
-        BaseScore("knorm", lambda x: scoring.knorm_score(x.keys), "none", False, True,
-                  "negative L2 norm of each key", "Devoto et al. 2024, arXiv 2406.11430"),
-        BaseScore("random", lambda x: scoring.random_score(x.keys, x.generator), "none", False, False,
-                  "uniformly random scores (a floor to beat)", "-"),
+        BaseScore(
+            "streamingllm",
+            lambda x: scoring.streamingllm_score(x.positions),
+            "none",
+            False,
+            False,
+            "attention sinks + the most recent tokens",
+            "Xiao et al. 2023, arXiv 2309.17453",
+        ),
+        BaseScore(
+            "h2o",
+            lambda x: scoring.h2o_score(x.accumulated),
+            "all",
+            True,
+            False,
+            "attention accumulated over every query so far (heavy hitters; half the budget kept recent)",
+            "Zhang et al. 2023, arXiv 2306.14048",
+            recent_window=0.5,
+        ),
+        BaseScore(
+            "tova",
+            lambda x: scoring.tova_score(x.recent_rows),
+            "last",
+            True,
+            False,
+            "attention of the newest query",
+            "Oren et al. 2024, arXiv 2401.06104",
+        ),
+        BaseScore(
+            "snapkv",
+            lambda x: scoring.snapkv_score(x.recent_rows, SNAPKV_KERNEL),
+            "window",
+            True,
+            False,
+            f"attention of the last {SNAPKV_WINDOW} queries, pooled over {SNAPKV_KERNEL} neighbours",
+            "Li et al. 2024, arXiv 2404.14469",
+            recent_window=SNAPKV_WINDOW,
+        ),
+        BaseScore(
+            "keydiff",
+            lambda x: scoring.keydiff_score(x.keys),
+            "none",
+            False,
+            True,
+            "negative cosine similarity of each key to the mean key",
+            "Park et al. 2025, arXiv 2504.15364",
+        ),
+        BaseScore(
+            "knorm",
+            lambda x: scoring.knorm_score(x.keys),
+            "none",
+            False,
+            True,
+            "negative L2 norm of each key",
+            "Devoto et al. 2024, arXiv 2406.11430",
+        ),
+        BaseScore(
+            "random",
+            lambda x: scoring.random_score(x.keys, x.generator),
+            "none",
+            False,
+            False,
+            "uniformly random scores (a floor to beat)",
+            "-",
+        ),
     )
 }
 
@@ -123,7 +172,8 @@ def policy_names() -> list[str]:
 
 
 POLICY_GROUPS: dict[str, list[str]] = {
-    "paper": ["full", "streamingllm"] + [f"{b}{t}" for b in ("h2o", "tova", "snapkv") for t in ("", "+caote", "+fastcaote")],
+    "paper": ["full", "streamingllm"]
+    + [f"{b}{t}" for b in ("h2o", "tova", "snapkv") for t in ("", "+caote", "+fastcaote")],
     "all": policy_names(),
 }
 

@@ -41,13 +41,22 @@ def main() -> Path:
     positions = torch.arange(len(tokens)).float()
     left_shares = WEIGHTS / WEIGHTS.max()
     right.bar(positions - width / 2, left_shares, width, label="attention α_j (TOVA)", color="tab:blue")
-    right.bar(positions + width / 2, scores / scores.max(), width,
-              label="CAOTE c_j = α_j/(1-α_j)·‖X − v_j‖", color="tab:orange")
+    right.bar(
+        positions + width / 2,
+        scores / scores.max(),
+        width,
+        label="CAOTE c_j = α_j/(1-α_j)·‖X − v_j‖",
+        color="tab:orange",
+    )
     right.set_xticks(positions.tolist(), tokens)
     right.set_ylabel("score / max (higher = keep)")
     right.set_title("budget 5: attention evicts t1, CAOTE evicts t3")
-    right.annotate("evicted by CAOTE", (3 + width / 2, float(scores[3] / scores.max())), xytext=(3.3, 0.6),
-                   arrowprops=dict(arrowstyle="->"))
+    right.annotate(
+        "evicted by CAOTE",
+        (3 + width / 2, float(scores[3] / scores.max())),
+        xytext=(3.3, 0.6),
+        arrowprops=dict(arrowstyle="->"),
+    )
     right.legend(fontsize=8)
     figure.tight_layout()
     TARGET.parent.mkdir(exist_ok=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import caote
 from caote.models import load_model
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def passkey_prompt(passkey: int = 68142, filler: int = 40, depth: float = 0.3) -> str:
@@ -47,14 +47,17 @@ def main() -> None:
     for policy, budget in (("full", args.budget), (args.policy, args.budget)):
         start = time.perf_counter()
         # a plain-text completion: the prompt ends with the cue the answer continues
-        result = caote.generate(model, tokenizer, prompt, budget=budget, policy=policy, max_new_tokens=8,
-                                return_stats=True)
+        result = caote.generate(
+            model, tokenizer, prompt, budget=budget, policy=policy, max_new_tokens=8, return_stats=True
+        )
         stats = result.stats
         label = "full cache" if policy == "full" else f"{policy}, budget {budget}"
         print(f"[{label}] {result.text.strip()!r}")
-        print(f"    tokens seen {stats.tokens_seen}, kept {stats.tokens_kept} per layer; KV "
-              f"{stats.kv_bytes / 2**20:.2f} MiB (full cache {stats.full_kv_bytes / 2**20:.2f} MiB); "
-              f"{time.perf_counter() - start:.1f} s")
+        print(
+            f"    tokens seen {stats.tokens_seen}, kept {stats.tokens_kept} per layer; KV "
+            f"{stats.kv_bytes / 2**20:.2f} MiB (full cache {stats.full_kv_bytes / 2**20:.2f} MiB); "
+            f"{time.perf_counter() - start:.1f} s"
+        )
 
 
 if __name__ == "__main__":

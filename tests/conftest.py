@@ -16,8 +16,18 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),

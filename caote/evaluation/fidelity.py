@@ -46,6 +46,7 @@ class AttentionCapture:
         def hook(module, args, output):
             value = output[0] if isinstance(output, tuple) else output
             self.outputs[index] = value.detach().float()
+
         return hook
 
     def take(self) -> list[torch.Tensor]:
@@ -93,11 +94,25 @@ def measured(block_start: int, budget: int | None) -> bool:
     return budget is None or block_start > budget
 
 
-def fidelity(model, input_ids: torch.Tensor, policies: list[str], budgets: list[int], block_size: int = 128) -> list[dict]:
+def fidelity(
+    model, input_ids: torch.Tensor, policies: list[str], budgets: list[int], block_size: int = 128
+) -> list[dict]:
     """Per-layer and mean relative attention-output error of each policy x budget on ``input_ids`` ``(1, T)``."""
     from caote.evaluation.perplexity import lockstep
 
-    runs = lockstep(model, input_ids, [(policy, budget) for policy in policies for budget in budgets],
-                    block_size=block_size, fidelity=True)
-    return [{"policy": run["policy"], "budget": run["budget"], "fidelity": run["fidelity"],
-             "fidelity_layers": run["fidelity_layers"]} for run in runs]
+    runs = lockstep(
+        model,
+        input_ids,
+        [(policy, budget) for policy in policies for budget in budgets],
+        block_size=block_size,
+        fidelity=True,
+    )
+    return [
+        {
+            "policy": run["policy"],
+            "budget": run["budget"],
+            "fidelity": run["fidelity"],
+            "fidelity_layers": run["fidelity_layers"],
+        }
+        for run in runs
+    ]

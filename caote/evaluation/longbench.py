@@ -29,68 +29,131 @@ from pathlib import Path
 
 from caote.evaluation.examples import Example
 
-LONGBENCH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
-                   "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",
-                   "lcc", "repobench-p")
-_MULTI_DOC = ("Answer the question based on the given passages. Only give me the answer and do not output any "
-              "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
-              "given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\n"
-              "Answer:")
-_QASPER_RULES = ("as concisely as you can, using a single phrase or sentence if possible. If the question cannot "
-                 "be answered based on the information in the article, write \"unanswerable\". If the question is "
-                 "a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.")
+LONGBENCH_TASKS = (
+    "narrativeqa",
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "musique",
+    "gov_report",
+    "qmsum",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
+_MULTI_DOC = (
+    "Answer the question based on the given passages. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
+    "given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\n"
+    "Answer:"
+)
+_QASPER_RULES = (
+    "as concisely as you can, using a single phrase or sentence if possible. If the question cannot "
+    'be answered based on the information in the article, write "unanswerable". If the question is '
+    'a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.'
+)
 DATASET_PROMPTS = {
-    "narrativeqa": ("You are given a story, which can be either a novel or a movie script, and a question. Answer "
-                    "the question as concisely as you can, using a single phrase if possible. Do not provide any "
-                    "explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely "
-                    "as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: "
-                    "{input}\n\nAnswer:"),
-    "qasper": (f"You are given a scientific article and a question. Answer the question {_QASPER_RULES}\n\n"
-               f"Article: {{context}}\n\n Answer the question based on the above article {_QASPER_RULES}\n\n"
-               "Question: {input}\n\nAnswer:"),
-    "multifieldqa_en": ("Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following "
-                        "question based on the above text, only give me the answer and do not output any other "
-                        "words.\n\nQuestion: {input}\nAnswer:"),
+    "narrativeqa": (
+        "You are given a story, which can be either a novel or a movie script, and a question. Answer "
+        "the question as concisely as you can, using a single phrase if possible. Do not provide any "
+        "explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely "
+        "as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: "
+        "{input}\n\nAnswer:"
+    ),
+    "qasper": (
+        f"You are given a scientific article and a question. Answer the question {_QASPER_RULES}\n\n"
+        f"Article: {{context}}\n\n Answer the question based on the above article {_QASPER_RULES}\n\n"
+        "Question: {input}\n\nAnswer:"
+    ),
+    "multifieldqa_en": (
+        "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following "
+        "question based on the above text, only give me the answer and do not output any other "
+        "words.\n\nQuestion: {input}\nAnswer:"
+    ),
     "hotpotqa": _MULTI_DOC,
     "2wikimqa": _MULTI_DOC,
     "musique": _MULTI_DOC,
-    "gov_report": ("You are given a report by a government agency. Write a one-page summary of the report.\n\n"
-                   "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"),
-    "qmsum": ("You are given a meeting transcript and a query containing a question or instruction. Answer the "
-              "query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the "
-              "above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:"),
-    "multi_news": ("You are given several news passages. Write a one-page summary of all news. \n\nNews:\n"
-                   "{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:"),
-    "trec": ("Please determine the type of the question below. Here are some examples of questions.\n\n"
-             "{context}\n{input}"),
-    "triviaqa": ("Answer the question based on the given passage. Only give me the answer and do not output any "
-                 "other words. The following are some examples.\n\n{context}\n\n{input}"),
+    "gov_report": (
+        "You are given a report by a government agency. Write a one-page summary of the report.\n\n"
+        "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"
+    ),
+    "qmsum": (
+        "You are given a meeting transcript and a query containing a question or instruction. Answer the "
+        "query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the "
+        "above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:"
+    ),
+    "multi_news": (
+        "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n"
+        "{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:"
+    ),
+    "trec": (
+        "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}"
+    ),
+    "triviaqa": (
+        "Answer the question based on the given passage. Only give me the answer and do not output any "
+        "other words. The following are some examples.\n\n{context}\n\n{input}"
+    ),
     "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n"
-              "{input}",
-    "passage_count": ("There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. "
-                      "Please carefully read these paragraphs and determine how many unique paragraphs there are "
-                      "after removing duplicates. In other words, how many non-repeating paragraphs are there in "
-                      "total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing "
-                      "duplicates. The output format should only contain the number, such as 1, 2, 3, and so on."
-                      "\n\nThe final answer is: "),
-    "passage_retrieval_en": ("Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine "
-                             "which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract."
-                             "\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. "
-                             "The answer format must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\n"
-                             "The answer is: "),
+    "{input}",
+    "passage_count": (
+        "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. "
+        "Please carefully read these paragraphs and determine how many unique paragraphs there are "
+        "after removing duplicates. In other words, how many non-repeating paragraphs are there in "
+        "total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing "
+        "duplicates. The output format should only contain the number, such as 1, 2, 3, and so on."
+        "\n\nThe final answer is: "
+    ),
+    "passage_retrieval_en": (
+        "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine "
+        "which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract."
+        "\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. "
+        'The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\n'
+        "The answer is: "
+    ),
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
 DATASET_MAX_NEW_TOKENS = {
-    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "hotpotqa": 32, "2wikimqa": 32, "musique": 32,
-    "gov_report": 512, "qmsum": 512, "multi_news": 512, "trec": 64, "triviaqa": 32, "samsum": 128,
-    "passage_count": 32, "passage_retrieval_en": 32, "lcc": 64, "repobench-p": 64,
+    "narrativeqa": 128,
+    "qasper": 128,
+    "multifieldqa_en": 64,
+    "hotpotqa": 32,
+    "2wikimqa": 32,
+    "musique": 32,
+    "gov_report": 512,
+    "qmsum": 512,
+    "multi_news": 512,
+    "trec": 64,
+    "triviaqa": 32,
+    "samsum": 128,
+    "passage_count": 32,
+    "passage_retrieval_en": 32,
+    "lcc": 64,
+    "repobench-p": 64,
 }
 DATASET_METRIC = {
-    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1", "hotpotqa": "qa_f1",
-    "2wikimqa": "qa_f1", "musique": "qa_f1", "gov_report": "rouge_l", "qmsum": "rouge_l", "multi_news": "rouge_l",
-    "trec": "classification", "triviaqa": "qa_f1", "samsum": "rouge_l", "passage_count": "count",
-    "passage_retrieval_en": "retrieval", "lcc": "code_sim", "repobench-p": "code_sim",
+    "narrativeqa": "qa_f1",
+    "qasper": "qa_f1",
+    "multifieldqa_en": "qa_f1",
+    "hotpotqa": "qa_f1",
+    "2wikimqa": "qa_f1",
+    "musique": "qa_f1",
+    "gov_report": "rouge_l",
+    "qmsum": "rouge_l",
+    "multi_news": "rouge_l",
+    "trec": "classification",
+    "triviaqa": "qa_f1",
+    "samsum": "rouge_l",
+    "passage_count": "count",
+    "passage_retrieval_en": "retrieval",
+    "lcc": "code_sim",
+    "repobench-p": "code_sim",
 }
 # Official eval.py keeps only the first line of predictions for these (lsht is Chinese, listed for completeness).
 FIRST_LINE_TASKS = frozenset({"trec", "triviaqa", "samsum", "lsht"})
@@ -105,8 +168,10 @@ def dataset_file(data_dir: str | Path, dataset: str) -> Path:
         raise ValueError(f"unknown LongBench dataset {dataset!r}; expected one of {LONGBENCH_TASKS}")
     path = Path(data_dir) / f"{dataset}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"LongBench file {path} is missing; put the official {dataset}.jsonl (from the "
-                                "THUDM/LongBench data.zip) in that directory")
+        raise FileNotFoundError(
+            f"LongBench file {path} is missing; put the official {dataset}.jsonl (from the "
+            "THUDM/LongBench data.zip) in that directory"
+        )
     return path
 
 
@@ -140,7 +205,7 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
         return text, False
     half = max_tokens // 2
     head = text[: offsets[half - 1][1]] if half else ""
-    tail = text[offsets[len(offsets) - half][0]:] if half else ""
+    tail = text[offsets[len(offsets) - half][0] :] if half else ""
     return head + tail, True
 
 
@@ -158,25 +223,56 @@ def longbench_example(dataset: str, row: dict, tokenizer=None, max_prompt_tokens
     if dataset in FIRST_LINE_TASKS:
         metric_kwargs["first_line_only"] = True
     answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
-    meta = dict(dataset=dataset, length=row.get("length"), language=row.get("language"), source_id=row["_id"],
-                raw_prompt=dataset in RAW_PROMPT_TASKS, truncated=truncated, metric_kwargs=metric_kwargs)
-    return Example(id=f"longbench/{dataset}/{row['_id']}", task=f"longbench_{dataset}",
-                   messages=(dict(role="user", content=prompt),), answers=tuple(str(a) for a in answers),
-                   metric=DATASET_METRIC[dataset], max_new_tokens=DATASET_MAX_NEW_TOKENS[dataset], meta=meta)
+    meta = dict(
+        dataset=dataset,
+        length=row.get("length"),
+        language=row.get("language"),
+        source_id=row["_id"],
+        raw_prompt=dataset in RAW_PROMPT_TASKS,
+        truncated=truncated,
+        metric_kwargs=metric_kwargs,
+    )
+    return Example(
+        id=f"longbench/{dataset}/{row['_id']}",
+        task=f"longbench_{dataset}",
+        messages=(dict(role="user", content=prompt),),
+        answers=tuple(str(a) for a in answers),
+        metric=DATASET_METRIC[dataset],
+        max_new_tokens=DATASET_MAX_NEW_TOKENS[dataset],
+        meta=meta,
+    )
 
 
-def load_longbench(data_dir: str | Path, datasets: Sequence[str] = LONGBENCH_TASKS, tokenizer=None,
-                   max_prompt_tokens: int | None = None, max_samples: int | None = None) -> list[Example]:
+def load_longbench(
+    data_dir: str | Path,
+    datasets: Sequence[str] = LONGBENCH_TASKS,
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
+    max_samples: int | None = None,
+) -> list[Example]:
     """Examples of every dataset in ``datasets`` read from ``<data_dir>/<dataset>.jsonl``, at most ``max_samples``
     each (file order), prompts middle-truncated to ``max_prompt_tokens`` tokens when given (needs ``tokenizer``)."""
     paths = {dataset: dataset_file(data_dir, dataset) for dataset in datasets}  # fail before any work
-    return [longbench_example(dataset, row, tokenizer, max_prompt_tokens)
-            for dataset, path in paths.items() for row in read_rows(path, max_samples)]
+    return [
+        longbench_example(dataset, row, tokenizer, max_prompt_tokens)
+        for dataset, path in paths.items()
+        for row in read_rows(path, max_samples)
+    ]
 
 
-def longbench_examples(tokenizer, data_dir: str | Path, tasks: Sequence[str] | None = None,
-                       samples: int | None = None, max_length: int | None = None) -> list[Example]:
+def longbench_examples(
+    tokenizer,
+    data_dir: str | Path,
+    tasks: Sequence[str] | None = None,
+    samples: int | None = None,
+    max_length: int | None = None,
+) -> list[Example]:
     """Runner entry point, shaped like the NIAH/RULER ones: `load_longbench` of ``tasks`` (default: all 16) with at
     most ``samples`` rows each and prompts middle-truncated to ``max_length`` tokens (no cut when None)."""
-    return load_longbench(data_dir, tuple(tasks) if tasks else LONGBENCH_TASKS, tokenizer=tokenizer,
-                          max_prompt_tokens=max_length, max_samples=samples)
+    return load_longbench(
+        data_dir,
+        tuple(tasks) if tasks else LONGBENCH_TASKS,
+        tokenizer=tokenizer,
+        max_prompt_tokens=max_length,
+        max_samples=samples,
+    )

@@ -22,11 +22,36 @@ from caote.evaluation.examples import Example
 
 TASK = "niah"
 METRIC = "substring_match"
-INSTRUCTION = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-               "Find it and memorize it. I will quiz you about it.")
-SECRET_WORDS = ("apricot", "harbor", "violet", "lantern", "meadow", "compass", "granite", "falcon", "saffron",
-                "orchid", "glacier", "velvet", "thimble", "walnut", "cobalt", "marigold", "pebble", "quartz",
-                "sparrow", "tundra", "juniper", "mosaic", "nectar", "oyster")
+INSTRUCTION = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it."
+)
+SECRET_WORDS = (
+    "apricot",
+    "harbor",
+    "violet",
+    "lantern",
+    "meadow",
+    "compass",
+    "granite",
+    "falcon",
+    "saffron",
+    "orchid",
+    "glacier",
+    "velvet",
+    "thimble",
+    "walnut",
+    "cobalt",
+    "marigold",
+    "pebble",
+    "quartz",
+    "sparrow",
+    "tundra",
+    "juniper",
+    "mosaic",
+    "nectar",
+    "oyster",
+)
 
 
 @dataclass(frozen=True)
@@ -46,19 +71,33 @@ class Needle:
 
 def _digits(count: int) -> Callable[[random.Random], str]:
     def draw(rng: random.Random) -> str:
-        return str(rng.randint(10 ** (count - 1), 10 ** count - 1))
+        return str(rng.randint(10 ** (count - 1), 10**count - 1))
+
     return draw
 
 
 NEEDLES = {
-    "passkey": Needle("passkey", "The pass key is {value}. Remember it. {value} is the pass key.",
-                      "What is the pass key?", "The pass key is", _digits(5)),
-    "secret_word": Needle("secret_word", "The secret word is {value}. Remember it. {value} is the secret word.",
-                          "What is the secret word?", "The secret word is",
-                          lambda rng: rng.choice(SECRET_WORDS)),
-    "door_code": Needle("door_code", "The code to open the blue door is {value}.",
-                        "What is the code to open the blue door?", "The code to open the blue door is",
-                        _digits(4)),
+    "passkey": Needle(
+        "passkey",
+        "The pass key is {value}. Remember it. {value} is the pass key.",
+        "What is the pass key?",
+        "The pass key is",
+        _digits(5),
+    ),
+    "secret_word": Needle(
+        "secret_word",
+        "The secret word is {value}. Remember it. {value} is the secret word.",
+        "What is the secret word?",
+        "The secret word is",
+        lambda rng: rng.choice(SECRET_WORDS),
+    ),
+    "door_code": Needle(
+        "door_code",
+        "The code to open the blue door is {value}.",
+        "What is the code to open the blue door?",
+        "The code to open the blue door is",
+        _digits(4),
+    ),
 }
 
 
@@ -83,8 +122,17 @@ def insert_at_depth(filler: str, sentence: str, depth: float) -> tuple[str, floa
     return text, 100 * start / max(len(text) - len(sentence), 1)
 
 
-def niah_example(tokenizer, context_length: int, depth: float, needle: str = "passkey", seed: int = 0,
-                 split: str = "test", filler: str = "repeat", max_new_tokens: int = 16, index: int = 0) -> Example:
+def niah_example(
+    tokenizer,
+    context_length: int,
+    depth: float,
+    needle: str = "passkey",
+    seed: int = 0,
+    split: str = "test",
+    filler: str = "repeat",
+    max_new_tokens: int = 16,
+    index: int = 0,
+) -> Example:
     """One needle-in-a-haystack `Example` of about ``context_length`` prompt tokens with the needle at ``depth`` %.
 
     ``filler``: ``"repeat"`` (the grass-is-green filler; what the bundled 135M model can solve) or ``"essays"``
@@ -97,28 +145,54 @@ def niah_example(tokenizer, context_length: int, depth: float, needle: str = "pa
     empty = (dict(role="user", content=niah_user_message(sentence, spec.question)),)
     overhead = prompt_token_count(tokenizer, empty, spec.answer_prefix)
     if overhead >= context_length:
-        raise ValueError(f"context_length {context_length} leaves no room for filler (the prompt alone is "
-                         f"{overhead} tokens)")
-    filler_text = haystack(tokenizer, context_length - overhead, split, rng.randrange(2 ** 31), filler)
+        raise ValueError(
+            f"context_length {context_length} leaves no room for filler (the prompt alone is {overhead} tokens)"
+        )
+    filler_text = haystack(tokenizer, context_length - overhead, split, rng.randrange(2**31), filler)
     text, actual_depth = insert_at_depth(filler_text, sentence, depth)
     messages = (dict(role="user", content=niah_user_message(text, spec.question)),)
-    meta = dict(context_length=context_length, depth=depth, needle=needle, filler=filler, split=split,
-                actual_depth=round(actual_depth, 2), seed=seed,
-                prompt_tokens=prompt_token_count(tokenizer, messages, spec.answer_prefix),
-                filler_tokens=count_tokens(tokenizer, filler_text))
-    return Example(id=f"{TASK}/{needle}/{filler}/len{context_length}/depth{depth:g}/seed{seed}/{index}", task=TASK,
-                   messages=messages, answers=(value,), metric=METRIC, max_new_tokens=max_new_tokens,
-                   answer_prefix=spec.answer_prefix, meta=meta)
+    meta = dict(
+        context_length=context_length,
+        depth=depth,
+        needle=needle,
+        filler=filler,
+        split=split,
+        actual_depth=round(actual_depth, 2),
+        seed=seed,
+        prompt_tokens=prompt_token_count(tokenizer, messages, spec.answer_prefix),
+        filler_tokens=count_tokens(tokenizer, filler_text),
+    )
+    return Example(
+        id=f"{TASK}/{needle}/{filler}/len{context_length}/depth{depth:g}/seed{seed}/{index}",
+        task=TASK,
+        messages=messages,
+        answers=(value,),
+        metric=METRIC,
+        max_new_tokens=max_new_tokens,
+        answer_prefix=spec.answer_prefix,
+        meta=meta,
+    )
 
 
-def niah_examples(tokenizer, context_lengths: Sequence[int] = (1024, 2048, 4096),
-                  depths: Sequence[float] = (10, 50, 90), needles: Sequence[str] = ("passkey",),
-                  samples_per_cell: int = 1, seed: int = 0, split: str = "test", filler: str = "repeat",
-                  max_new_tokens: int = 16) -> list[Example]:
+def niah_examples(
+    tokenizer,
+    context_lengths: Sequence[int] = (1024, 2048, 4096),
+    depths: Sequence[float] = (10, 50, 90),
+    needles: Sequence[str] = ("passkey",),
+    samples_per_cell: int = 1,
+    seed: int = 0,
+    split: str = "test",
+    filler: str = "repeat",
+    max_new_tokens: int = 16,
+) -> list[Example]:
     """The full grid: for each context length, depth, needle and sample index, one `niah_example`."""
     unknown = sorted(set(needles) - set(NEEDLES))
     if unknown:
         raise ValueError(f"unknown needles {unknown}; expected some of {sorted(NEEDLES)}")
-    return [niah_example(tokenizer, length, depth, needle, seed, split, filler, max_new_tokens, index)
-            for length in context_lengths for depth in depths for needle in needles
-            for index in range(samples_per_cell)]
+    return [
+        niah_example(tokenizer, length, depth, needle, seed, split, filler, max_new_tokens, index)
+        for length in context_lengths
+        for depth in depths
+        for needle in needles
+        for index in range(samples_per_cell)
+    ]

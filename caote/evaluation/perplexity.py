@@ -54,8 +54,14 @@ def _forward(model, block: torch.Tensor, cache: EvictionCache, seen: int) -> tor
     return F.log_softmax(output.logits[0].float(), dim=-1)
 
 
-def lockstep(model, input_ids: torch.Tensor, runs: list[tuple[str, int | None]], block_size: int = DEFAULT_BLOCK_SIZE,
-             fidelity: bool = False, progress=None) -> list[dict]:
+def lockstep(
+    model,
+    input_ids: torch.Tensor,
+    runs: list[tuple[str, int | None]],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    fidelity: bool = False,
+    progress=None,
+) -> list[dict]:
     """PPL, KL from the full cache and (optionally) attention fidelity of every ``(policy, budget)`` in ``runs`` on
     ``input_ids`` ``(1, T)``, plus the full cache's own PPL as ``ppl_full`` in every result."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
@@ -64,19 +70,23 @@ def lockstep(model, input_ids: torch.Tensor, runs: list[tuple[str, int | None]],
     input_ids = input_ids.to(device)
     layers = len(model.model.layers)
     reference = EvictionCache(model, budget=UNBOUNDED, policy=FULL, block_size=block_size)
-    tracks = [_Track(policy, budget,
-                     EvictionCache(model, budget=UNBOUNDED if budget is None else budget, policy=policy,
-                                   block_size=block_size),
-                     FidelityMeter(layers) if fidelity else None)
-              for policy, budget in runs]
+    tracks = [
+        _Track(
+            policy,
+            budget,
+            EvictionCache(model, budget=UNBOUNDED if budget is None else budget, policy=policy, block_size=block_size),
+            FidelityMeter(layers) if fidelity else None,
+        )
+        for policy, budget in runs
+    ]
     full_nll, full_last = 0.0, None
     total = input_ids.shape[1]
     capture = AttentionCapture(model) if fidelity else None
-    with torch.no_grad(), (capture if capture is not None else _Nothing()):
+    with torch.no_grad(), capture if capture is not None else _Nothing():
         for start in range(0, total, block_size):
-            block = input_ids[:, start:start + block_size]
+            block = input_ids[:, start : start + block_size]
             # predictions of this step: the previous block's last row predicts token `start`, row i predicts i+1
-            targets = input_ids[0, max(start, 1):start + block.shape[1]].view(-1, 1)
+            targets = input_ids[0, max(start, 1) : start + block.shape[1]].view(-1, 1)
             full_lp = _forward(model, block, reference, start)
             full_outputs = capture.take() if capture is not None else None
             full_pred = _predictions(full_last, full_lp)
@@ -105,7 +115,10 @@ def lockstep(model, input_ids: torch.Tensor, runs: list[tuple[str, int | None]],
                 if kl.shape[0] and (track.budget is None or bool(flags.any())):
                     track.block_nll.append(nll / kl.shape[0])
                     track.block_kl.append(kl.mean().item())
-                track.last, track.last_evicted = lp[-1], bool(measured(start, track.budget) and track.budget is not None)
+                track.last, track.last_evicted = (
+                    lp[-1],
+                    bool(measured(start, track.budget) and track.budget is not None),
+                )
             full_last = full_lp[-1]
             if progress is not None:
                 progress.update(1)
@@ -114,18 +127,27 @@ def lockstep(model, input_ids: torch.Tensor, runs: list[tuple[str, int | None]],
     results = []
     for track in tracks:
         ppl = float(torch.tensor(track.nll / predictions).exp())
-        results.append({
-            "policy": track.policy, "budget": track.budget, "tokens": total, "predictions": predictions,
-            "ppl": ppl, "ppl_full": ppl_full, "ppl_delta": ppl - ppl_full, "nll": track.nll / predictions,
-            "kl": track.kl / predictions,
-            "kl_evicted": track.kl_evicted / track.evicted_predictions if track.evicted_predictions else None,
-            "fidelity": track.meter.mean() if track.meter is not None else None,
-            "fidelity_layers": track.meter.per_layer() if track.meter is not None else None,
-            "fidelity_blocks": track.meter.blocks if track.meter is not None else 0,
-            "fidelity_per_block": track.meter.per_block if track.meter is not None else None,
-            "nll_blocks": track.block_nll, "kl_blocks": track.block_kl,
-            "seconds": round(track.seconds, 3),
-        })
+        results.append(
+            {
+                "policy": track.policy,
+                "budget": track.budget,
+                "tokens": total,
+                "predictions": predictions,
+                "ppl": ppl,
+                "ppl_full": ppl_full,
+                "ppl_delta": ppl - ppl_full,
+                "nll": track.nll / predictions,
+                "kl": track.kl / predictions,
+                "kl_evicted": track.kl_evicted / track.evicted_predictions if track.evicted_predictions else None,
+                "fidelity": track.meter.mean() if track.meter is not None else None,
+                "fidelity_layers": track.meter.per_layer() if track.meter is not None else None,
+                "fidelity_blocks": track.meter.blocks if track.meter is not None else 0,
+                "fidelity_per_block": track.meter.per_block if track.meter is not None else None,
+                "nll_blocks": track.block_nll,
+                "kl_blocks": track.block_kl,
+                "seconds": round(track.seconds, 3),
+            }
+        )
     return results
 
 
@@ -143,20 +165,29 @@ def _predictions(last: torch.Tensor | None, log_probs: torch.Tensor) -> torch.Te
     return log_probs[:-1] if last is None else torch.cat([last[None], log_probs[:-1]])
 
 
-def texts(tokenizer, lengths: list[int], samples: int, split: str = "test", seed: int = 0) -> list[tuple[str, int, str]]:
+def texts(
+    tokenizer, lengths: list[int], samples: int, split: str = "test", seed: int = 0
+) -> list[tuple[str, int, str]]:
     """``(id, length, text)`` triples: ``samples`` essay excerpts of each length (tokens), shuffled by ``seed + i``."""
     from caote.evaluation.data import haystack
 
-    return [(f"essays-{split}-{length}-seed{seed + index}", length,
-             haystack(tokenizer, length, split=split, seed=seed + index, kind="essays"))
-            for length in lengths for index in range(samples)]
+    return [
+        (
+            f"essays-{split}-{length}-seed{seed + index}",
+            length,
+            haystack(tokenizer, length, split=split, seed=seed + index, kind="essays"),
+        )
+        for length in lengths
+        for index in range(samples)
+    ]
 
 
 DEFAULT_TEXTS = 2
 
 
-def run_texts(config, model, tokenizer, rank: int = 0, world: int = 1, fidelity: bool = True,
-              benchmark: str = "perplexity") -> int:
+def run_texts(
+    config, model, tokenizer, rank: int = 0, world: int = 1, fidelity: bool = True, benchmark: str = "perplexity"
+) -> int:
     """Rows of the perplexity (or fidelity) benchmark for this process's share of the texts; resumable per text
     (every pending policy x budget of a text runs in one lockstep pass)."""
     from caote.evaluation.runner import RowStore, _progress, row_key, settings
@@ -177,12 +208,21 @@ def run_texts(config, model, tokenizer, rank: int = 0, world: int = 1, fidelity:
         results = lockstep(model, ids, pending, block_size=config.block_size, fidelity=fidelity, progress=bar)
         bar.close()
         for result in results:
-            store.append({
-                "key": row_key(config.model, text_id, result["policy"], result["budget"]),
-                "benchmark": benchmark, "model": config.model, "example_id": text_id, "task": "essays",
-                "block_size": config.block_size, "split": config.split, "seed": config.seed,
-                "meta": {"length": length},
-                "rank": rank, "num_processes": world, **result,
-            })
+            store.append(
+                {
+                    "key": row_key(config.model, text_id, result["policy"], result["budget"]),
+                    "benchmark": benchmark,
+                    "model": config.model,
+                    "example_id": text_id,
+                    "task": "essays",
+                    "block_size": config.block_size,
+                    "split": config.split,
+                    "seed": config.seed,
+                    "meta": {"length": length},
+                    "rank": rank,
+                    "num_processes": world,
+                    **result,
+                }
+            )
             written += 1
     return written

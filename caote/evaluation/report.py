@@ -28,6 +28,7 @@ TRANSFORMS = ("caote", "fastcaote")
 
 # -- interval math -----------------------------------------------------------------------------------------------
 
+
 def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion ``successes / n``."""
     if n <= 0:
@@ -40,8 +41,9 @@ def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, fl
     return (max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half)))
 
 
-def bootstrap_interval(values: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
-                       level: float = 0.95) -> tuple[float, float]:
+def bootstrap_interval(
+    values: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of ``values``."""
     n = len(values)
     if n == 0:
@@ -100,6 +102,7 @@ def paired_difference(treated: dict[str, float], control: dict[str, float]) -> E
 
 # -- summaries ---------------------------------------------------------------------------------------------------
 
+
 def policy_order(policies) -> list[str]:
     """full, streamingllm, then each base with its transforms, then anything else."""
     wanted = ["full", "streamingllm"] + [f"{b}{t}" for b in BASES for t in ("", "+caote", "+fastcaote")]
@@ -126,18 +129,30 @@ def summary_records(rows: list[dict], field: str, benchmark: str, task: str | No
     full = cells.get(("full", None), {})
     # only answer scores of hit-or-miss metrics are proportions (a lockstep measure or an F1 of 0 is not one)
     metrics = {row.get("metric") for row in rows if task is None or row.get("task") == task}
-    binary = (field == "score" and metrics <= BINARY_METRICS
-              and all(v in (0.0, 1.0) for values in cells.values() for v in values.values()))
+    binary = (
+        field == "score"
+        and metrics <= BINARY_METRICS
+        and all(v in (0.0, 1.0) for values in cells.values() for v in values.values())
+    )
     records = []
     for (policy, budget), values in cells.items():
         est = estimate(list(values.values()), binary)
         reference = [full[key] for key in values if key in full]
-        records.append({
-            "benchmark": benchmark, "task": task or "all", "metric": field, "policy": policy,
-            "budget": "" if budget is None else budget, "n": est.n, "mean": est.mean, "ci_low": est.low,
-            "ci_high": est.high, "ci_method": est.method,
-            "full_mean": sum(reference) / len(reference) if reference else math.nan,
-        })
+        records.append(
+            {
+                "benchmark": benchmark,
+                "task": task or "all",
+                "metric": field,
+                "policy": policy,
+                "budget": "" if budget is None else budget,
+                "n": est.n,
+                "mean": est.mean,
+                "ci_low": est.low,
+                "ci_high": est.high,
+                "ci_method": est.method,
+                "full_mean": sum(reference) / len(reference) if reference else math.nan,
+            }
+        )
     order = {p: i for i, p in enumerate(policy_order([r["policy"] for r in records]))}
     records.sort(key=lambda r: (order[r["policy"]], -1 if r["budget"] == "" else r["budget"]))
     return records
@@ -157,8 +172,9 @@ def block_values_by_cell(rows: list[dict], field: str) -> dict[tuple[str, int | 
     return cells
 
 
-def comparison_records(rows: list[dict], field: str, benchmark: str, higher_is_better: bool,
-                       task: str | None = None) -> list[dict]:
+def comparison_records(
+    rows: list[dict], field: str, benchmark: str, higher_is_better: bool, task: str | None = None
+) -> list[dict]:
     """Base+CAOTE / +FastCAOTE minus the plain base, paired per example (per text block for the lockstep metrics:
     NLL per token for PPL, KL, fidelity), at every budget. A verdict needs at least `MIN_PAIRED_UNITS` pairs."""
     block_field = BLOCK_FIELDS.get(field) if any(r.get(BLOCK_FIELDS.get(field, "")) for r in rows) else None
@@ -176,24 +192,33 @@ def comparison_records(rows: list[dict], field: str, benchmark: str, higher_is_b
                     continue
                 better = est.low > 0 if higher_is_better else est.high < 0
                 worse = est.high < 0 if higher_is_better else est.low > 0
-                verdict = ("helps" if better else "hurts" if worse else "no clear difference")
+                verdict = "helps" if better else "hurts" if worse else "no clear difference"
                 if est.n < MIN_PAIRED_UNITS:
                     verdict = f"too few pairs (n < {MIN_PAIRED_UNITS})"
-                records.append({
-                    "benchmark": benchmark, "task": task or "all", "metric": field,
-                    "unit": "text block" if block_field else "example",
-                    "compared": "NLL/token" if block_field == "nll_blocks" else field, "base": base,
-                    "transform": transform, "budget": budget, "n": est.n, "delta": est.mean, "ci_low": est.low,
-                    "ci_high": est.high, "verdict": verdict,
-                })
+                records.append(
+                    {
+                        "benchmark": benchmark,
+                        "task": task or "all",
+                        "metric": field,
+                        "unit": "text block" if block_field else "example",
+                        "compared": "NLL/token" if block_field == "nll_blocks" else field,
+                        "base": base,
+                        "transform": transform,
+                        "budget": budget,
+                        "n": est.n,
+                        "delta": est.mean,
+                        "ci_low": est.low,
+                        "ci_high": est.high,
+                        "verdict": verdict,
+                    }
+                )
     return records
 
 
 def markdown_table(records: list[dict], digits: int = 2, title: str = "policy") -> str:
     """Policies as rows, budgets as columns, ``mean [low, high]`` cells; the full cache gets one row."""
     budgets = sorted({r["budget"] for r in records if r["budget"] != ""})
-    lines = [f"| {title} | " + " | ".join(f"b={b}" for b in budgets) + " |",
-             "|---|" + "---|" * len(budgets)]
+    lines = [f"| {title} | " + " | ".join(f"b={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     by_policy: dict[str, dict] = defaultdict(dict)
     for r in records:
         by_policy[r["policy"]][r["budget"]] = Estimate(r["mean"], r["ci_low"], r["ci_high"], r["n"], r["ci_method"])
@@ -203,19 +228,26 @@ def markdown_table(records: list[dict], digits: int = 2, title: str = "policy") 
             text = est.cell(digits) if est else "–"
             lines.append("| **full (reference)** | " + " | ".join(text for _ in budgets) + " |")
             continue
-        lines.append(f"| {policy} | " + " | ".join(
-            by_policy[policy][b].cell(digits) if b in by_policy[policy] else "–" for b in budgets) + " |")
+        lines.append(
+            f"| {policy} | "
+            + " | ".join(by_policy[policy][b].cell(digits) if b in by_policy[policy] else "–" for b in budgets)
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def comparison_table(records: list[dict], digits: int = 3) -> str:
     if not records:
         return "_no paired comparisons (plain base and its CAOTE variant both needed)_"
-    lines = ["| base | +transform | budget | compared | n (unit) | Δ (variant − plain) [95 % CI] | verdict |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| base | +transform | budget | compared | n (unit) | Δ (variant − plain) [95 % CI] | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in records:
-        lines.append(f"| {r['base']} | +{r['transform']} | {r['budget']} | {r['compared']} | {r['n']} ({r['unit']}) | "
-                     f"{r['delta']:+.{digits}f} [{r['ci_low']:+.{digits}f}, {r['ci_high']:+.{digits}f}] | {r['verdict']} |")
+        lines.append(
+            f"| {r['base']} | +{r['transform']} | {r['budget']} | {r['compared']} | {r['n']} ({r['unit']}) | "
+            f"{r['delta']:+.{digits}f} [{r['ci_low']:+.{digits}f}, {r['ci_high']:+.{digits}f}] | {r['verdict']} |"
+        )
     return "\n".join(lines)
 
 
@@ -233,6 +265,7 @@ def write_csv(path: Path, records: list[dict]) -> None:
 
 
 # -- plots -------------------------------------------------------------------------------------------------------
+
 
 def _pyplot():
     import matplotlib
@@ -262,8 +295,11 @@ def plot_niah_heatmaps(rows: list[dict], path: Path, budget: int) -> Path | None
         grid = [[math.nan] * len(lengths) for _ in depths]
         for i, depth in enumerate(depths):
             for j, length in enumerate(lengths):
-                scores = [r["score"] for r in chosen if r["policy"] == policy and r["meta"]["depth"] == depth
-                          and r["meta"]["context_length"] == length]
+                scores = [
+                    r["score"]
+                    for r in chosen
+                    if r["policy"] == policy and r["meta"]["depth"] == depth and r["meta"]["context_length"] == length
+                ]
                 if scores:
                     grid[i][j] = sum(scores) / len(scores)
         image = axis.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
@@ -303,9 +339,23 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
         base, plus, transform = policy.partition("+")
         x = [r["budget"] for r in chosen]
         y = [r["mean"] for r in chosen]
-        error = [[max(0.0, r["mean"] - r["ci_low"]) for r in chosen], [max(0.0, r["ci_high"] - r["mean"]) for r in chosen]]
-        axis.errorbar(x, y, yerr=error, label=policy, color=colours.get(base), capsize=2, marker="o", markersize=3,
-                      linestyle=styles.get(plus + transform, "-"), linewidth=1.2, alpha=0.85)
+        error = [
+            [max(0.0, r["mean"] - r["ci_low"]) for r in chosen],
+            [max(0.0, r["ci_high"] - r["mean"]) for r in chosen],
+        ]
+        axis.errorbar(
+            x,
+            y,
+            yerr=error,
+            label=policy,
+            color=colours.get(base),
+            capsize=2,
+            marker="o",
+            markersize=3,
+            linestyle=styles.get(plus + transform, "-"),
+            linewidth=1.2,
+            alpha=0.85,
+        )
     axis.set_xscale("log", base=2)
     axis.set_xticks(budgets, [str(b) for b in budgets])
     axis.set_xlabel("KV budget (tokens per layer)")
@@ -335,8 +385,12 @@ def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | No
         layers = [r["fidelity_layers"] for r in chosen if r["policy"] == policy]
         mean = [sum(values) / len(values) for values in zip(*layers)]
         base, plus, transform = policy.partition("+")
-        axis.plot(range(len(mean)), mean, label=policy,
-                  linestyle={"": "-", "+caote": "--", "+fastcaote": ":"}[plus + transform])
+        axis.plot(
+            range(len(mean)),
+            mean,
+            label=policy,
+            linestyle={"": "-", "+caote": "--", "+fastcaote": ":"}[plus + transform],
+        )
     axis.set_xlabel("layer")
     axis.set_ylabel("||O_policy − O_full|| / ||O_full||")
     axis.set_title(f"Attention-output relative error per layer, b={budget}", fontsize=10)
@@ -350,8 +404,11 @@ FIELDS = {
     "niah": [("score", "accuracy", 2, True)],
     "ruler": [("score", "score (string_match_all)", 2, True)],
     "longbench": [("score", "score", 3, True)],
-    "perplexity": [("ppl_delta", "PPL − PPL(full)", 3, False), ("kl", "KL(full ‖ policy), nats/token", 4, False),
-                   ("fidelity", "attention-output relative error (mean over layers)", 3, False)],
+    "perplexity": [
+        ("ppl_delta", "PPL − PPL(full)", 3, False),
+        ("kl", "KL(full ‖ policy), nats/token", 4, False),
+        ("fidelity", "attention-output relative error (mean over layers)", 3, False),
+    ],
     "fidelity": [("fidelity", "attention-output relative error (mean over layers)", 3, False)],
 }
 
@@ -412,19 +469,24 @@ def summarise_benchmark(config) -> Path:
     rows = load_rows(config.out)
     pieces = summarise_rows(rows, config.benchmark, Path(config.out))
     path = Path(config.out) / "summary.md"
-    text = (f"# {config.benchmark} — {config.model}\n\n{len(rows)} rows from {Path(config.out)}. "
-            f"{INTERVAL_NOTE}\n\n" + render_pieces(config.benchmark, pieces))
+    text = (
+        f"# {config.benchmark} — {config.model}\n\n{len(rows)} rows from {Path(config.out)}. "
+        f"{INTERVAL_NOTE}\n\n" + render_pieces(config.benchmark, pieces)
+    )
     path.write_text(text, encoding="utf-8")
     print(text)
     return path
 
 
-INTERVAL_NOTE = ("Intervals are 95 %: Wilson for means of hit-or-miss scores (NIAH), percentile bootstrap (2,000 "
-                 "resamples) over examples otherwise (RULER; PPL/KL/fidelity over texts); CAOTE-vs-plain "
-                 "differences use a paired bootstrap over the same examples (over text blocks for PPL/KL/fidelity).")
+INTERVAL_NOTE = (
+    "Intervals are 95 %: Wilson for means of hit-or-miss scores (NIAH), percentile bootstrap (2,000 "
+    "resamples) over examples otherwise (RULER; PPL/KL/fidelity over texts); CAOTE-vs-plain "
+    "differences use a paired bootstrap over the same examples (over text blocks for PPL/KL/fidelity)."
+)
 
 
 # -- the report grid ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Grid:
@@ -445,13 +507,32 @@ class Grid:
 
 # quick: about 15 min on 2 idle cores (31 policy x budget settings: ~124 answers of ~1k-token prompts plus two
 # 1k-token texts in lockstep); the full grid takes hours on CPU
-QUICK_GRID = Grid("quick", budgets=(128, 256, 512), niah_lengths=(1024,), niah_depths=(50, 90), niah_samples=1,
-                  ruler_lengths=(1024,), ruler_tasks=("niah_multikey", "variable_tracking"), ruler_samples=1,
-                  text_lengths=(1024,), text_samples=2, max_new_tokens=24)
-FULL_GRID = Grid("full", budgets=(128, 256, 512), niah_lengths=(1024, 2048), niah_depths=(10, 30, 50, 70, 90),
-                 niah_samples=2, ruler_lengths=(1024, 2048),
-                 ruler_tasks=("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words"),
-                 ruler_samples=3, text_lengths=(2048,), text_samples=6, max_new_tokens=64)
+QUICK_GRID = Grid(
+    "quick",
+    budgets=(128, 256, 512),
+    niah_lengths=(1024,),
+    niah_depths=(50, 90),
+    niah_samples=1,
+    ruler_lengths=(1024,),
+    ruler_tasks=("niah_multikey", "variable_tracking"),
+    ruler_samples=1,
+    text_lengths=(1024,),
+    text_samples=2,
+    max_new_tokens=24,
+)
+FULL_GRID = Grid(
+    "full",
+    budgets=(128, 256, 512),
+    niah_lengths=(1024, 2048),
+    niah_depths=(10, 30, 50, 70, 90),
+    niah_samples=2,
+    ruler_lengths=(1024, 2048),
+    ruler_tasks=("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words"),
+    ruler_samples=3,
+    text_lengths=(2048,),
+    text_samples=6,
+    max_new_tokens=64,
+)
 
 
 def run_report(config) -> int:
@@ -475,15 +556,46 @@ def run_report(config) -> int:
         device = None if state.device.type == "cpu" else str(state.device)
         model, tokenizer = load_model(config.model, device=device)
     parts = {
-        "perplexity": EvalConfig("perplexity", config.model, policies, budgets, list(grid.text_lengths),
-                                 grid.text_samples, config.seed, config.split, runs / "perplexity",
-                                 progress=config.progress),
-        "niah": EvalConfig("niah", config.model, policies, budgets, list(grid.niah_lengths), grid.niah_samples,
-                           config.seed, config.split, runs / "niah", depths=list(grid.niah_depths),
-                           progress=config.progress, max_new_tokens=grid.max_new_tokens),
-        "ruler": EvalConfig("ruler", config.model, policies, budgets, list(grid.ruler_lengths), grid.ruler_samples,
-                            config.seed, config.split, runs / "ruler", tasks=list(grid.ruler_tasks),
-                            progress=config.progress, max_new_tokens=grid.max_new_tokens),
+        "perplexity": EvalConfig(
+            "perplexity",
+            config.model,
+            policies,
+            budgets,
+            list(grid.text_lengths),
+            grid.text_samples,
+            config.seed,
+            config.split,
+            runs / "perplexity",
+            progress=config.progress,
+        ),
+        "niah": EvalConfig(
+            "niah",
+            config.model,
+            policies,
+            budgets,
+            list(grid.niah_lengths),
+            grid.niah_samples,
+            config.seed,
+            config.split,
+            runs / "niah",
+            depths=list(grid.niah_depths),
+            progress=config.progress,
+            max_new_tokens=grid.max_new_tokens,
+        ),
+        "ruler": EvalConfig(
+            "ruler",
+            config.model,
+            policies,
+            budgets,
+            list(grid.ruler_lengths),
+            grid.ruler_samples,
+            config.seed,
+            config.split,
+            runs / "ruler",
+            tasks=list(grid.ruler_tasks),
+            progress=config.progress,
+            max_new_tokens=grid.max_new_tokens,
+        ),
     }
     for name, part in parts.items():
         if not summarise_only:
@@ -492,8 +604,7 @@ def run_report(config) -> int:
     if rank != 0:
         return 0
     rows = {name: load_rows(part.out) for name, part in parts.items()}
-    summaries = {name: summarise_rows(rows[name], name, results, plot_prefix=f"{grid.name}_")
-                 for name in parts}
+    summaries = {name: summarise_rows(rows[name], name, results, plot_prefix=f"{grid.name}_") for name in parts}
     # compute time actually spent on the rows (sum over rows and processes), not this call's wall time
     seconds = {name: sum(float(r.get("seconds") or 0) for r in value) for name, value in rows.items()}
     planned = planned_rows(grid, config.policies)
@@ -502,9 +613,13 @@ def run_report(config) -> int:
     return 0
 
 
-HEADLINE_COLUMNS = (("niah", "score", "NIAH acc", 2), ("ruler", "score", "RULER score", 2),
-                    ("perplexity", "ppl_delta", "PPL − full", 3), ("perplexity", "kl", "KL", 4),
-                    ("perplexity", "fidelity", "attn-output error", 3))
+HEADLINE_COLUMNS = (
+    ("niah", "score", "NIAH acc", 2),
+    ("ruler", "score", "RULER score", 2),
+    ("perplexity", "ppl_delta", "PPL − full", 3),
+    ("perplexity", "kl", "KL", 4),
+    ("perplexity", "fidelity", "attn-output error", 3),
+)
 
 
 def headline_table(summaries: dict) -> str:
@@ -513,16 +628,23 @@ def headline_table(summaries: dict) -> str:
     for benchmark, field, _, _ in HEADLINE_COLUMNS:
         for r in summaries.get(benchmark, {}).get("records", []):
             if r["metric"] == field and r["task"] == "all":
-                cells[(benchmark, field, r["policy"], r["budget"])] = Estimate(r["mean"], r["ci_low"], r["ci_high"],
-                                                                               r["n"], r["ci_method"])
+                cells[(benchmark, field, r["policy"], r["budget"])] = Estimate(
+                    r["mean"], r["ci_low"], r["ci_high"], r["n"], r["ci_method"]
+                )
     order = policy_order([policy for (_, _, policy, _) in cells])
-    settings = sorted({(policy, budget) for (_, _, policy, budget) in cells},
-                      key=lambda pb: (order.index(pb[0]), -1 if pb[1] == "" else pb[1]))
-    lines = ["| policy | budget | " + " | ".join(label for _, _, label, _ in HEADLINE_COLUMNS) + " |",
-             "|---|---|" + "---|" * len(HEADLINE_COLUMNS)]
+    settings = sorted(
+        {(policy, budget) for (_, _, policy, budget) in cells},
+        key=lambda pb: (order.index(pb[0]), -1 if pb[1] == "" else pb[1]),
+    )
+    lines = [
+        "| policy | budget | " + " | ".join(label for _, _, label, _ in HEADLINE_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(HEADLINE_COLUMNS),
+    ]
     for policy, budget in settings:
-        values = [cells[(b, f, policy, budget)].cell(d) if (b, f, policy, budget) in cells else "–"
-                  for b, f, _, d in HEADLINE_COLUMNS]
+        values = [
+            cells[(b, f, policy, budget)].cell(d) if (b, f, policy, budget) in cells else "–"
+            for b, f, _, d in HEADLINE_COLUMNS
+        ]
         name = "**full (reference)**" if policy == "full" else policy
         lines.append(f"| {name} | {budget if budget != '' else 'all'} | " + " | ".join(values) + " |")
     return "\n".join(lines)
@@ -531,9 +653,11 @@ def headline_table(summaries: dict) -> str:
 def planned_rows(grid: Grid, policies: list[str]) -> dict[str, int]:
     """Rows a complete run of ``grid`` writes per benchmark (full once per example + evicting policies x budgets)."""
     per_example = 1 + len([p for p in policies if p != "full"]) * len(grid.budgets)
-    return {"perplexity": per_example * len(grid.text_lengths) * grid.text_samples,
-            "niah": per_example * len(grid.niah_lengths) * len(grid.niah_depths) * grid.niah_samples,
-            "ruler": per_example * len(grid.ruler_lengths) * len(grid.ruler_tasks) * grid.ruler_samples}
+    return {
+        "perplexity": per_example * len(grid.text_lengths) * grid.text_samples,
+        "niah": per_example * len(grid.niah_lengths) * len(grid.niah_depths) * grid.niah_samples,
+        "ruler": per_example * len(grid.ruler_lengths) * len(grid.ruler_tasks) * grid.ruler_samples,
+    }
 
 
 def _headline(summaries: dict) -> list[str]:
@@ -543,27 +667,40 @@ def _headline(summaries: dict) -> list[str]:
         records = pieces["comparison_records"]
         for metric in dict.fromkeys(r["metric"] for r in records):
             chosen = [r for r in records if r["metric"] == metric]
-            helps = [f"{r['base']}+{r['transform']} b={r['budget']} ({r['delta']:+.3g})" for r in chosen
-                     if r["verdict"] == "helps"]
-            hurts = [f"{r['base']}+{r['transform']} b={r['budget']} ({r['delta']:+.3g})" for r in chosen
-                     if r["verdict"] == "hurts"]
+            helps = [
+                f"{r['base']}+{r['transform']} b={r['budget']} ({r['delta']:+.3g})"
+                for r in chosen
+                if r["verdict"] == "helps"
+            ]
+            hurts = [
+                f"{r['base']}+{r['transform']} b={r['budget']} ({r['delta']:+.3g})"
+                for r in chosen
+                if r["verdict"] == "hurts"
+            ]
             unclear = sum(r["verdict"] not in ("helps", "hurts") for r in chosen)
-            lines.append(f"- **{name} / {metric}**: CI excludes zero in favour of the variant in {len(helps)} of "
-                         f"{len(chosen)} comparisons" + (f": {', '.join(helps)}" if helps else "") +
-                         f"; against it in {len(hurts)}" + (f": {', '.join(hurts)}" if hurts else "") +
-                         f"; {unclear} inconclusive.")
+            lines.append(
+                f"- **{name} / {metric}**: CI excludes zero in favour of the variant in {len(helps)} of "
+                f"{len(chosen)} comparisons"
+                + (f": {', '.join(helps)}" if helps else "")
+                + f"; against it in {len(hurts)}"
+                + (f": {', '.join(hurts)}" if hurts else "")
+                + f"; {unclear} inconclusive."
+            )
     return lines
 
 
-def write_results_md(path: Path, grid: Grid, config, summaries: dict, rows: dict, seconds: dict,
-                     planned: dict) -> None:
+def write_results_md(path: Path, grid: Grid, config, summaries: dict, rows: dict, seconds: dict, planned: dict) -> None:
     import subprocess
 
     command = "caote eval report --quick" if grid.name == "quick" else "caote eval report"
     counts = {name: len(value) for name, value in rows.items()}
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=path.parent, timeout=10).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=path.parent, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         commit = "unknown"
     missing = {name: planned[name] - counts.get(name, 0) for name in planned if counts.get(name, 0) < planned[name]}
@@ -573,13 +710,17 @@ def write_results_md(path: Path, grid: Grid, config, summaries: dict, rows: dict
         "",
         f"Regenerate with `{command}` (grid `{grid.name}`, model `{config.model}`, essay split `{config.split}`, "
         f"seed {config.seed}, code at commit `{commit}`). Wall time summed over rows (over all processes): "
-        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items()) + ". "
+        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
+        + ". "
         "Rows are kept under `docs/results/runs/` and a rerun resumes from them (delete the folder to recompute).",
         "",
-        ("**Incomplete run:** " + ", ".join(f"{name} is missing {count} of {planned[name]} rows"
-                                            for name, count in missing.items())
-         + "; the tables show the rows that exist.") if missing else
-        f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())}).",
+        (
+            "**Incomplete run:** "
+            + ", ".join(f"{name} is missing {count} of {planned[name]} rows" for name, count in missing.items())
+            + "; the tables show the rows that exist."
+        )
+        if missing
+        else f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())}).",
         "",
         "## Setup",
         "",
@@ -593,7 +734,8 @@ def write_results_md(path: Path, grid: Grid, config, summaries: dict, rows: dict
         f"- Perplexity / KL / fidelity: {grid.text_samples} Paul Graham essay excerpts (test split) of "
         f"{', '.join(map(str, grid.text_lengths))} tokens, each policy in lockstep with the full cache "
         f"({counts.get('perplexity', 0)} rows). Full-cache PPL per text: "
-        + ", ".join(f"{p:.2f}" for p in full_ppl) + ".",
+        + ", ".join(f"{p:.2f}" for p in full_ppl)
+        + ".",
         f"- {INTERVAL_NOTE}",
         "",
         "## Headline: every policy × budget (mean [95 % CI]; full cache first)",
@@ -613,13 +755,17 @@ def write_results_md(path: Path, grid: Grid, config, summaries: dict, rows: dict
         "CONCLUSIONS_PLACEHOLDER",
         "",
     ]
-    titles = {"niah": "Needle in a haystack", "ruler": "RULER-style tasks",
-              "perplexity": "Perplexity, KL from the full cache, attention-output fidelity"}
+    titles = {
+        "niah": "Needle in a haystack",
+        "ruler": "RULER-style tasks",
+        "perplexity": "Perplexity, KL from the full cache, attention-output fidelity",
+    }
     for name, pieces in summaries.items():
         lines += [f"## {titles.get(name, name)}", "", render_pieces(name, pieces, relative_to=path.parent), ""]
     text = "\n".join(lines)
     conclusions = path.parent / "results" / f"{grid.name}_conclusions.md"
-    text = text.replace("CONCLUSIONS_PLACEHOLDER", conclusions.read_text(encoding="utf-8").strip()
-                        if conclusions.is_file() else "")
+    text = text.replace(
+        "CONCLUSIONS_PLACEHOLDER", conclusions.read_text(encoding="utf-8").strip() if conclusions.is_file() else ""
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

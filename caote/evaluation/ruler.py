@@ -29,27 +29,111 @@ from caote.evaluation.data import essay_words, haystack, insert_sentences, promp
 from caote.evaluation.examples import Example
 
 METRIC = "string_match_all"
-ADJECTIVES = ("wry", "calm", "bold", "brave", "bright", "shy", "quiet", "eager", "fancy", "gentle", "grumpy",
-              "happy", "jolly", "kind", "lively", "proud", "silly", "witty", "zealous", "ancient", "bitter", "brisk",
-              "clumsy", "dusty", "fierce", "frosty", "golden", "hollow", "icy", "misty", "noisy", "polite", "rapid",
-              "rusty", "sleepy", "smooth", "stormy", "tender", "vivid", "wooden")
-NOUNS = ("sunlight", "river", "mountain", "garden", "lantern", "harbor", "meadow", "window", "forest", "canyon",
-         "pillow", "rocket", "castle", "island", "kitten", "ladder", "mirror", "needle", "orchard", "pepper",
-         "quarry", "saddle", "teapot", "umbrella", "valley", "wagon", "anchor", "basket", "candle", "dolphin",
-         "engine", "feather", "glacier", "hammer", "jacket", "kettle", "lemon", "marble", "nugget", "oyster")
+ADJECTIVES = (
+    "wry",
+    "calm",
+    "bold",
+    "brave",
+    "bright",
+    "shy",
+    "quiet",
+    "eager",
+    "fancy",
+    "gentle",
+    "grumpy",
+    "happy",
+    "jolly",
+    "kind",
+    "lively",
+    "proud",
+    "silly",
+    "witty",
+    "zealous",
+    "ancient",
+    "bitter",
+    "brisk",
+    "clumsy",
+    "dusty",
+    "fierce",
+    "frosty",
+    "golden",
+    "hollow",
+    "icy",
+    "misty",
+    "noisy",
+    "polite",
+    "rapid",
+    "rusty",
+    "sleepy",
+    "smooth",
+    "stormy",
+    "tender",
+    "vivid",
+    "wooden",
+)
+NOUNS = (
+    "sunlight",
+    "river",
+    "mountain",
+    "garden",
+    "lantern",
+    "harbor",
+    "meadow",
+    "window",
+    "forest",
+    "canyon",
+    "pillow",
+    "rocket",
+    "castle",
+    "island",
+    "kitten",
+    "ladder",
+    "mirror",
+    "needle",
+    "orchard",
+    "pepper",
+    "quarry",
+    "saddle",
+    "teapot",
+    "umbrella",
+    "valley",
+    "wagon",
+    "anchor",
+    "basket",
+    "candle",
+    "dolphin",
+    "engine",
+    "feather",
+    "glacier",
+    "hammer",
+    "jacket",
+    "kettle",
+    "lemon",
+    "marble",
+    "nugget",
+    "oyster",
+)
 
-NIAH_TEMPLATE = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-                 "I will quiz you about the numbers afterwards.\n{context}\n"
-                 "What are all the special magic numbers for {query} mentioned in the provided text?")
+NIAH_TEMPLATE = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n{context}\n"
+    "What are all the special magic numbers for {query} mentioned in the provided text?"
+)
 NIAH_PREFIX = "The special magic numbers for {query} mentioned in the provided text are"
 NIAH_NEEDLE = "One of the special magic numbers for {key} is: {value}."
-VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-               "Question: Find all variables that are assigned the value {query} in the text above.")
-VT_PREFIX = ("Answer: According to the chain(s) of variable assignment in the text above, {count} variables are "
-             "assigned the value {query}, they are: ")
-CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
-                "ones that appear most often.\n{context}\nQuestion: What are the {count} most common words in the "
-                "above list?")
+VT_TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above."
+)
+VT_PREFIX = (
+    "Answer: According to the chain(s) of variable assignment in the text above, {count} variables are "
+    "assigned the value {query}, they are: "
+)
+CWE_TEMPLATE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+    "ones that appear most often.\n{context}\nQuestion: What are the {count} most common words in the "
+    "above list?"
+)
 CWE_PREFIX = "Answer: The top {count} words that appear most often in the list are:"
 # RULER's tokens_to_generate per task family.
 MAX_NEW_TOKENS = {"niah": 128, "variable_tracking": 30, "common_words": 120}
@@ -71,7 +155,7 @@ def distinct_keys(rng: random.Random, count: int) -> list[str]:
 
 def distinct_numbers(rng: random.Random, count: int, digits: int = 7) -> list[str]:
     """``count`` different ``digits``-digit numbers as strings."""
-    return [str(number) for number in rng.sample(range(10 ** (digits - 1), 10 ** digits), count)]
+    return [str(number) for number in rng.sample(range(10 ** (digits - 1), 10**digits), count)]
 
 
 def variable_names(rng: random.Random, count: int) -> list[str]:
@@ -84,16 +168,25 @@ def variable_names(rng: random.Random, count: int) -> list[str]:
     return names
 
 
-def _filled(tokenizer, context_length: int, render: Callable[[str], tuple[str, str]], statements: list[str],
-            rng: random.Random, split: str, filler: str, ordered: bool) -> tuple[str, str, int]:
+def _filled(
+    tokenizer,
+    context_length: int,
+    render: Callable[[str], tuple[str, str]],
+    statements: list[str],
+    rng: random.Random,
+    split: str,
+    filler: str,
+    ordered: bool,
+) -> tuple[str, str, int]:
     """Filler sized so that ``render(context)`` fits ``context_length`` tokens, with ``statements`` inserted at
     random sentence positions (kept in order when ``ordered``). Returns (user text, answer prefix, prompt tokens)."""
     user, prefix = render(" ".join(statements))
     overhead = prompt_token_count(tokenizer, _user(user), prefix)
     if overhead >= context_length:
-        raise ValueError(f"context_length {context_length} is too short: the task without filler takes {overhead} "
-                         "tokens")
-    filler_text = haystack(tokenizer, context_length - overhead, split, rng.randrange(2 ** 31), filler)
+        raise ValueError(
+            f"context_length {context_length} is too short: the task without filler takes {overhead} tokens"
+        )
+    filler_text = haystack(tokenizer, context_length - overhead, split, rng.randrange(2**31), filler)
     positions = [rng.randint(0, len(split_sentences(filler_text))) for _ in statements]
     if ordered:
         positions.sort()
@@ -102,62 +195,111 @@ def _filled(tokenizer, context_length: int, render: Callable[[str], tuple[str, s
     return user, prefix, prompt_token_count(tokenizer, _user(user), prefix)
 
 
-def _niah(tokenizer, task: str, context_length: int, seed: int, index: int, num_keys: int, num_values: int,
-          split: str, filler: str) -> Example:
+def _niah(
+    tokenizer,
+    task: str,
+    context_length: int,
+    seed: int,
+    index: int,
+    num_keys: int,
+    num_values: int,
+    split: str,
+    filler: str,
+) -> Example:
     rng = _rng(task, seed, context_length, index)
     keys = distinct_keys(rng, num_keys)
     values = distinct_numbers(rng, num_keys * num_values)
     query = keys[0]
-    needles = [NIAH_NEEDLE.format(key=key, value=values[k * num_values + v])
-               for k, key in enumerate(keys) for v in range(num_values)]
+    needles = [
+        NIAH_NEEDLE.format(key=key, value=values[k * num_values + v])
+        for k, key in enumerate(keys)
+        for v in range(num_values)
+    ]
     rng.shuffle(needles)
     answers = tuple(values[:num_values])
-    render = lambda context: (NIAH_TEMPLATE.format(context=context, query=query), NIAH_PREFIX.format(query=query))
+
+    def render(context):
+        return NIAH_TEMPLATE.format(context=context, query=query), NIAH_PREFIX.format(query=query)
+
     user, prefix, tokens = _filled(tokenizer, context_length, render, needles, rng, split, filler, ordered=False)
-    meta = dict(context_length=context_length, prompt_tokens=tokens, query=query, num_keys=num_keys,
-                num_values=num_values, filler=filler, split=split, seed=seed)
-    return Example(id=f"ruler/{task}/{filler}/len{context_length}/seed{seed}/{index}", task=f"ruler_{task}",
-                   messages=_user(user), answers=answers, metric=METRIC, max_new_tokens=MAX_NEW_TOKENS["niah"],
-                   answer_prefix=prefix, meta=meta)
+    meta = dict(
+        context_length=context_length,
+        prompt_tokens=tokens,
+        query=query,
+        num_keys=num_keys,
+        num_values=num_values,
+        filler=filler,
+        split=split,
+        seed=seed,
+    )
+    return Example(
+        id=f"ruler/{task}/{filler}/len{context_length}/seed{seed}/{index}",
+        task=f"ruler_{task}",
+        messages=_user(user),
+        answers=answers,
+        metric=METRIC,
+        max_new_tokens=MAX_NEW_TOKENS["niah"],
+        answer_prefix=prefix,
+        meta=meta,
+    )
 
 
-def niah_single(tokenizer, context_length: int, seed: int = 0, samples: int = 1, split: str = "test",
-                filler: str = "repeat") -> list[Example]:
+def niah_single(
+    tokenizer, context_length: int, seed: int = 0, samples: int = 1, split: str = "test", filler: str = "repeat"
+) -> list[Example]:
     """RULER niah_single: one key-value needle; the answer is its 7-digit value."""
     return [_niah(tokenizer, "niah_single", context_length, seed, i, 1, 1, split, filler) for i in range(samples)]
 
 
-def niah_multikey(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_keys: int = 4,
-                  split: str = "test", filler: str = "repeat") -> list[Example]:
+def niah_multikey(
+    tokenizer,
+    context_length: int,
+    seed: int = 0,
+    samples: int = 1,
+    num_keys: int = 4,
+    split: str = "test",
+    filler: str = "repeat",
+) -> list[Example]:
     """RULER niah_multikey: ``num_keys`` needles with different keys (one queried, the rest distractors)."""
     if num_keys < 2:
         raise ValueError("niah_multikey needs at least two keys")
-    return [_niah(tokenizer, "niah_multikey", context_length, seed, i, num_keys, 1, split, filler)
-            for i in range(samples)]
+    return [
+        _niah(tokenizer, "niah_multikey", context_length, seed, i, num_keys, 1, split, filler) for i in range(samples)
+    ]
 
 
-def niah_multivalue(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_values: int = 4,
-                    split: str = "test", filler: str = "repeat") -> list[Example]:
+def niah_multivalue(
+    tokenizer,
+    context_length: int,
+    seed: int = 0,
+    samples: int = 1,
+    num_values: int = 4,
+    split: str = "test",
+    filler: str = "repeat",
+) -> list[Example]:
     """RULER niah_multivalue: ``num_values`` needles for one key; every value must be returned."""
     if num_values < 2:
         raise ValueError("niah_multivalue needs at least two values")
-    return [_niah(tokenizer, "niah_multivalue", context_length, seed, i, 1, num_values, split, filler)
-            for i in range(samples)]
+    return [
+        _niah(tokenizer, "niah_multivalue", context_length, seed, i, 1, num_values, split, filler)
+        for i in range(samples)
+    ]
 
 
-def assignment_chains(rng: random.Random, num_chains: int, num_hops: int) -> tuple[list[list[str]], list[str],
-                                                                                      list[str]]:
+def assignment_chains(
+    rng: random.Random, num_chains: int, num_hops: int
+) -> tuple[list[list[str]], list[str], list[str]]:
     """``num_chains`` chains of ``num_hops + 1`` variables: statements per chain, the chains' values, and the names
     of the first chain. Chain ``c`` reads ``VAR A = v_c. VAR B = A. ...`` (each hop copies the previous name)."""
     names = variable_names(rng, num_chains * (num_hops + 1))
     values = distinct_numbers(rng, num_chains, digits=5)
     chains = []
     for c in range(num_chains):
-        chain_names = names[c * (num_hops + 1):(c + 1) * (num_hops + 1)]
+        chain_names = names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)]
         statements = [f"VAR {chain_names[0]} = {values[c]}."]
         statements += [f"VAR {chain_names[h]} = {chain_names[h - 1]}." for h in range(1, num_hops + 1)]
         chains.append(statements)
-    return chains, values, names[:num_hops + 1]
+    return chains, values, names[: num_hops + 1]
 
 
 def _interleave(rng: random.Random, chains: list[list[str]]) -> list[str]:
@@ -170,8 +312,16 @@ def _interleave(rng: random.Random, chains: list[list[str]]) -> list[str]:
     return merged
 
 
-def variable_tracking(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_chains: int = 1,
-                      num_hops: int = 4, split: str = "test", filler: str = "repeat") -> list[Example]:
+def variable_tracking(
+    tokenizer,
+    context_length: int,
+    seed: int = 0,
+    samples: int = 1,
+    num_chains: int = 1,
+    num_hops: int = 4,
+    split: str = "test",
+    filler: str = "repeat",
+) -> list[Example]:
     """RULER variable tracking: answers are the ``num_hops + 1`` variables bound (directly or through copies) to
     the queried value; the other chains are distractors."""
     examples = []
@@ -180,21 +330,39 @@ def variable_tracking(tokenizer, context_length: int, seed: int = 0, samples: in
         chains, values, answers = assignment_chains(rng, num_chains, num_hops)
         statements = _interleave(rng, chains)
         query = values[0]
-        render = lambda context: (VT_TEMPLATE.format(context=context, query=query),
-                                  VT_PREFIX.format(count=num_hops + 1, query=query))
-        user, prefix, tokens = _filled(tokenizer, context_length, render, statements, rng, split, filler,
-                                       ordered=True)
-        meta = dict(context_length=context_length, prompt_tokens=tokens, query=query, num_chains=num_chains,
-                    num_hops=num_hops, filler=filler, split=split, seed=seed)
-        examples.append(Example(id=f"ruler/variable_tracking/{filler}/len{context_length}/seed{seed}/{index}",
-                                task="ruler_variable_tracking", messages=_user(user), answers=tuple(answers),
-                                metric=METRIC, max_new_tokens=MAX_NEW_TOKENS["variable_tracking"],
-                                answer_prefix=prefix, meta=meta))
+
+        def render(context, query=query):
+            return VT_TEMPLATE.format(context=context, query=query), VT_PREFIX.format(count=num_hops + 1, query=query)
+
+        user, prefix, tokens = _filled(tokenizer, context_length, render, statements, rng, split, filler, ordered=True)
+        meta = dict(
+            context_length=context_length,
+            prompt_tokens=tokens,
+            query=query,
+            num_chains=num_chains,
+            num_hops=num_hops,
+            filler=filler,
+            split=split,
+            seed=seed,
+        )
+        examples.append(
+            Example(
+                id=f"ruler/variable_tracking/{filler}/len{context_length}/seed{seed}/{index}",
+                task="ruler_variable_tracking",
+                messages=_user(user),
+                answers=tuple(answers),
+                metric=METRIC,
+                max_new_tokens=MAX_NEW_TOKENS["variable_tracking"],
+                answer_prefix=prefix,
+                meta=meta,
+            )
+        )
     return examples
 
 
-def word_list(rng: random.Random, common: Sequence[str], uncommon: Sequence[str], common_freq: int,
-              uncommon_freq: int) -> list[str]:
+def word_list(
+    rng: random.Random, common: Sequence[str], uncommon: Sequence[str], common_freq: int, uncommon_freq: int
+) -> list[str]:
     """Each common word ``common_freq`` times and each uncommon word ``uncommon_freq`` times, shuffled."""
     words = [word for word in common for _ in range(common_freq)]
     words += [word for word in uncommon for _ in range(uncommon_freq)]
@@ -213,8 +381,16 @@ def default_common_freq(context_length: int, uncommon_freq: int = 3) -> int:
     return min(30, max(uncommon_freq + 2, context_length // 100))
 
 
-def common_words(tokenizer, context_length: int, seed: int = 0, samples: int = 1, num_common: int = 10,
-                 common_freq: int | None = None, uncommon_freq: int = 3, split: str = "test") -> list[Example]:
+def common_words(
+    tokenizer,
+    context_length: int,
+    seed: int = 0,
+    samples: int = 1,
+    num_common: int = 10,
+    common_freq: int | None = None,
+    uncommon_freq: int = 3,
+    split: str = "test",
+) -> list[Example]:
     """RULER common-words extraction (cwe): the largest number of uncommon words that fits ``context_length``
     (binary search) around ``num_common`` words repeated ``common_freq`` times; answers: the common words.
 
@@ -233,23 +409,41 @@ def common_words(tokenizer, context_length: int, seed: int = 0, samples: int = 1
         prefix = CWE_PREFIX.format(count=num_common)
 
         def render(n_uncommon: int) -> str:
-            words = word_list(random.Random(f"{seed}:{index}:{n_uncommon}"), common, rest[:n_uncommon],
-                              common_freq, uncommon_freq)
+            words = word_list(
+                random.Random(f"{seed}:{index}:{n_uncommon}"), common, rest[:n_uncommon], common_freq, uncommon_freq
+            )
             return CWE_TEMPLATE.format(context=numbered(words), count=num_common)
 
-        fits = lambda n: prompt_token_count(tokenizer, _user(render(n)), prefix) <= context_length
+        def fits(n):
+            return prompt_token_count(tokenizer, _user(render(n)), prefix) <= context_length
+
         if not fits(0):
             raise ValueError(f"context_length {context_length} cannot hold {num_common} words × {common_freq}")
         # Every list entry takes at least one token, which bounds the search.
         n_uncommon = _largest_fitting(fits, min(len(rest), context_length // uncommon_freq))
         user = render(n_uncommon)
-        meta = dict(context_length=context_length, prompt_tokens=prompt_token_count(tokenizer, _user(user), prefix),
-                    num_common=num_common, common_freq=common_freq, uncommon_freq=uncommon_freq,
-                    num_uncommon=n_uncommon, split=split, seed=seed)
-        examples.append(Example(id=f"ruler/common_words/len{context_length}/seed{seed}/{index}",
-                                task="ruler_common_words", messages=_user(user), answers=tuple(common),
-                                metric=METRIC, max_new_tokens=MAX_NEW_TOKENS["common_words"], answer_prefix=prefix,
-                                meta=meta))
+        meta = dict(
+            context_length=context_length,
+            prompt_tokens=prompt_token_count(tokenizer, _user(user), prefix),
+            num_common=num_common,
+            common_freq=common_freq,
+            uncommon_freq=uncommon_freq,
+            num_uncommon=n_uncommon,
+            split=split,
+            seed=seed,
+        )
+        examples.append(
+            Example(
+                id=f"ruler/common_words/len{context_length}/seed{seed}/{index}",
+                task="ruler_common_words",
+                messages=_user(user),
+                answers=tuple(common),
+                metric=METRIC,
+                max_new_tokens=MAX_NEW_TOKENS["common_words"],
+                answer_prefix=prefix,
+                meta=meta,
+            )
+        )
     return examples
 
 
@@ -274,8 +468,15 @@ RULER_TASKS = {
 }
 
 
-def ruler_examples(tokenizer, tasks: Sequence[str] = tuple(RULER_TASKS), context_lengths: Sequence[int] = (1024,),
-                   samples: int = 1, seed: int = 0, split: str = "test", **task_kwargs) -> list[Example]:
+def ruler_examples(
+    tokenizer,
+    tasks: Sequence[str] = tuple(RULER_TASKS),
+    context_lengths: Sequence[int] = (1024,),
+    samples: int = 1,
+    seed: int = 0,
+    split: str = "test",
+    **task_kwargs,
+) -> list[Example]:
     """``samples`` examples of every task in ``tasks`` at every context length. ``task_kwargs`` go to each task
     function that accepts them (e.g. ``filler="essays"``, ``common_freq=10``)."""
     unknown = sorted(set(tasks) - set(RULER_TASKS))

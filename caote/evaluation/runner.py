@@ -60,6 +60,7 @@ class EvalConfig:
 
 # -- argument parsing ------------------------------------------------------------------------------------------------
 
+
 def _usage_error(message: str):
     from caote.cli import UsageError
 
@@ -95,8 +96,10 @@ def check_budgets(policies: list[str], budgets: list[int]) -> None:
             window = policy.base.recent_window
             window = int(window * budget) if isinstance(window, float) else window
             if budget <= DEFAULT_SINK_TOKENS + window:
-                raise _usage_error(f"--budgets: {budget} is too small for {name} (it keeps {DEFAULT_SINK_TOKENS} "
-                                   f"sink + {window} recent tokens; use a budget above {DEFAULT_SINK_TOKENS + window})")
+                raise _usage_error(
+                    f"--budgets: {budget} is too small for {name} (it keeps {DEFAULT_SINK_TOKENS} "
+                    f"sink + {window} recent tokens; use a budget above {DEFAULT_SINK_TOKENS + window})"
+                )
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
@@ -142,14 +145,30 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     max_new_tokens = None if args.max_new_tokens is None else parse_int_list("--max-new-tokens", args.max_new_tokens)[0]
     threads = None if args.threads is None else parse_int_list("--threads", args.threads)[0]
     out = Path(args.out) if args.out is not None else Path("results") / benchmark
-    return EvalConfig(benchmark=benchmark, model=args.model, policies=policies, budgets=budgets, lengths=lengths,
-                      samples=samples, seed=seed, split=args.split, out=out, data_dir=data_dir, tasks=tasks, depths=depths,
-                      max_new_tokens=max_new_tokens, threads=threads,
-                      summarise_only=bool(getattr(args, "summarise_only", False)),
-                      quick=bool(args.quick), docs=Path(args.docs), progress=not args.no_progress)
+    return EvalConfig(
+        benchmark=benchmark,
+        model=args.model,
+        policies=policies,
+        budgets=budgets,
+        lengths=lengths,
+        samples=samples,
+        seed=seed,
+        split=args.split,
+        out=out,
+        data_dir=data_dir,
+        tasks=tasks,
+        depths=depths,
+        max_new_tokens=max_new_tokens,
+        threads=threads,
+        summarise_only=bool(getattr(args, "summarise_only", False)),
+        quick=bool(args.quick),
+        docs=Path(args.docs),
+        progress=not args.no_progress,
+    )
 
 
 # -- resumable rows --------------------------------------------------------------------------------------------------
+
 
 def row_key(model: str, example_id: str, policy: str, budget: int | None) -> str:
     return f"{model}\t{example_id}\t{policy}\t{FULL if budget is None else int(budget)}"
@@ -225,6 +244,7 @@ class RowStore:
 
 # -- answering one example -------------------------------------------------------------------------------------------
 
+
 def prompt_ids(tokenizer, example: Example) -> torch.Tensor:
     """``(1, T)`` ids of `caote.evaluation.data.prompt_text`: the chat template with the assistant turn opened, then
     ``answer_prefix``; with ``meta["raw_prompt"]`` true the message contents as they are (no template)."""
@@ -234,21 +254,39 @@ def prompt_ids(tokenizer, example: Example) -> torch.Tensor:
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
 
-def answer(model, tokenizer, input_ids: torch.Tensor, policy: str, budget: int | None, max_new_tokens: int,
-           block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[str, dict]:
+def answer(
+    model,
+    tokenizer,
+    input_ids: torch.Tensor,
+    policy: str,
+    budget: int | None,
+    max_new_tokens: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> tuple[str, dict]:
     """Greedy answer under ``policy`` at ``budget`` (block-wise prefill); returns the text and cache statistics."""
-    cache = EvictionCache(model, budget=UNBOUNDED if budget is None else budget, policy=policy,
-                          block_size=block_size)
+    cache = EvictionCache(model, budget=UNBOUNDED if budget is None else budget, policy=policy, block_size=block_size)
     input_ids = input_ids.to(model.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
-                                prefill_chunk_size=block_size, max_new_tokens=max_new_tokens, do_sample=False,
-                                temperature=None, top_p=None, top_k=None, pad_token_id=pad)
-    new_ids = output[0, input_ids.shape[1]:].tolist()
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            cache=cache,
+            prefill_chunk_size=block_size,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
+    new_ids = output[0, input_ids.shape[1] :].tolist()
     stats = cache.stats()
     return tokenizer.decode(new_ids, skip_special_tokens=True), {
-        "new_tokens": len(new_ids), "tokens_kept": stats.tokens_kept, "peak_kv_bytes": stats.peak_kv_bytes}
+        "new_tokens": len(new_ids),
+        "tokens_kept": stats.tokens_kept,
+        "peak_kv_bytes": stats.peak_kv_bytes,
+    }
 
 
 def settings(policies: list[str]) -> list[str]:
@@ -256,10 +294,22 @@ def settings(policies: list[str]) -> list[str]:
     return [FULL] + [policy for policy in policies if policy != FULL]
 
 
-def run_examples(model, tokenizer, examples: list[Example], policies: list[str], budgets: list[int], out: Path,
-                 model_name: str, benchmark: str, rank: int = 0, num_processes: int = 1, progress: bool = False,
-                 block_size: int = DEFAULT_BLOCK_SIZE, extra: dict | None = None,
-                 max_new_tokens: int | None = None) -> int:
+def run_examples(
+    model,
+    tokenizer,
+    examples: list[Example],
+    policies: list[str],
+    budgets: list[int],
+    out: Path,
+    model_name: str,
+    benchmark: str,
+    rank: int = 0,
+    num_processes: int = 1,
+    progress: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    extra: dict | None = None,
+    max_new_tokens: int | None = None,
+) -> int:
     """Answer this process's share of ``examples`` under full + ``policies`` x ``budgets``; returns rows written.
 
     When a budget is at least the prompt plus the answer, nothing can be evicted: the full cache's row is reused
@@ -270,8 +320,12 @@ def run_examples(model, tokenizer, examples: list[Example], policies: list[str],
 
     store = RowStore(out, rank)
     mine = examples[rank::num_processes]
-    work = [(example, policy, None if policy == FULL else budget)
-            for example in mine for policy in settings(policies) for budget in ([None] if policy == FULL else budgets)]
+    work = [
+        (example, policy, None if policy == FULL else budget)
+        for example in mine
+        for policy in settings(policies)
+        for budget in ([None] if policy == FULL else budgets)
+    ]
     bar = _progress(len(work), f"{benchmark} [{rank}]", progress, rank)
     written = 0
     ids_cache: dict[str, torch.Tensor] = {}
@@ -292,13 +346,27 @@ def run_examples(model, tokenizer, examples: list[Example], policies: list[str],
             prediction, stats = answer(model, tokenizer, input_ids, policy, budget, new_tokens, block_size)
             evicted = budget is not None
         row = {
-            "key": key, "benchmark": benchmark, "model": model_name, "example_id": example.id, "task": example.task,
-            "policy": policy, "budget": budget, "block_size": block_size, "metric": example.metric,
-            "prompt_tokens": int(input_ids.shape[1]), "max_new_tokens": new_tokens,
-            "prediction": prediction, "answers": list(example.answers),
-            "score": float(score_example(example, prediction)), "evicted": evicted, "meta": example.meta,
-            "seconds": round(time.perf_counter() - started, 3), "rank": rank, "num_processes": num_processes,
-            **stats, **(extra or {}),
+            "key": key,
+            "benchmark": benchmark,
+            "model": model_name,
+            "example_id": example.id,
+            "task": example.task,
+            "policy": policy,
+            "budget": budget,
+            "block_size": block_size,
+            "metric": example.metric,
+            "prompt_tokens": int(input_ids.shape[1]),
+            "max_new_tokens": new_tokens,
+            "prediction": prediction,
+            "answers": list(example.answers),
+            "score": float(score_example(example, prediction)),
+            "evicted": evicted,
+            "meta": example.meta,
+            "seconds": round(time.perf_counter() - started, 3),
+            "rank": rank,
+            "num_processes": num_processes,
+            **stats,
+            **(extra or {}),
         }
         if full_row is not None:
             row["full_score"] = full_row["score"]
@@ -318,6 +386,7 @@ def _progress(total: int, description: str, enabled: bool, rank: int):
 
 # -- benchmarks ------------------------------------------------------------------------------------------------------
 
+
 def build_examples(config: EvalConfig, tokenizer) -> list[Example]:
     """The examples of a generation benchmark, from the task generators of `caote.evaluation`."""
     samples = config.samples or 1
@@ -325,8 +394,14 @@ def build_examples(config: EvalConfig, tokenizer) -> list[Example]:
         from caote.evaluation import niah
 
         depths = config.depths or (10, 50, 90)
-        return niah.niah_examples(tokenizer, context_lengths=config.lengths, depths=depths, samples_per_cell=samples,
-                                  seed=config.seed, split=config.split)
+        return niah.niah_examples(
+            tokenizer,
+            context_lengths=config.lengths,
+            depths=depths,
+            samples_per_cell=samples,
+            seed=config.seed,
+            split=config.split,
+        )
     if config.benchmark == "ruler":
         from caote.evaluation import ruler
 
@@ -334,14 +409,25 @@ def build_examples(config: EvalConfig, tokenizer) -> list[Example]:
         unknown = sorted(set(tasks) - set(ruler.RULER_TASKS))
         if unknown:
             raise _usage_error(f"--tasks: unknown RULER tasks {unknown} (choose from {', '.join(ruler.RULER_TASKS)})")
-        return ruler.ruler_examples(tokenizer, tasks=tasks, context_lengths=config.lengths, samples=samples,
-                                    seed=config.seed, split=config.split)
+        return ruler.ruler_examples(
+            tokenizer,
+            tasks=tasks,
+            context_lengths=config.lengths,
+            samples=samples,
+            seed=config.seed,
+            split=config.split,
+        )
     if config.benchmark == "longbench":
         from caote.evaluation import longbench
 
         function = getattr(longbench, "longbench_examples", None) or getattr(longbench, "examples")
-        kwargs = {"data_dir": config.data_dir, "tasks": config.tasks, "samples": config.samples,
-                  "seed": config.seed, "max_length": max(config.lengths)}
+        kwargs = {
+            "data_dir": config.data_dir,
+            "tasks": config.tasks,
+            "samples": config.samples,
+            "seed": config.seed,
+            "max_length": max(config.lengths),
+        }
         accepted = inspect.signature(function).parameters
         return function(tokenizer, **{k: v for k, v in kwargs.items() if k in accepted and v is not None})
     raise ValueError(f"{config.benchmark!r} is not a generation benchmark")
@@ -383,9 +469,21 @@ def run_rows(config: EvalConfig, model, tokenizer, rank: int = 0, world: int = 1
     if config.benchmark in ("perplexity", "fidelity"):
         from caote.evaluation import perplexity
 
-        return perplexity.run_texts(config, model, tokenizer, rank, world,
-                                    fidelity=True, benchmark=config.benchmark)
+        return perplexity.run_texts(config, model, tokenizer, rank, world, fidelity=True, benchmark=config.benchmark)
     examples = build_examples(config, tokenizer)
-    return run_examples(model, tokenizer, examples, config.policies, config.budgets, config.out, config.model,
-                        config.benchmark, rank, world, config.progress, config.block_size,
-                        extra={"seed": config.seed, "split": config.split}, max_new_tokens=config.max_new_tokens)
+    return run_examples(
+        model,
+        tokenizer,
+        examples,
+        config.policies,
+        config.budgets,
+        config.out,
+        config.model,
+        config.benchmark,
+        rank,
+        world,
+        config.progress,
+        config.block_size,
+        extra={"seed": config.seed, "split": config.split},
+        max_new_tokens=config.max_new_tokens,
+    )
