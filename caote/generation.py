@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,16 @@ def check_settings(
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     validate_settings(parsed, budget, block_size, sink_tokens, recent_window, gqa, decode_eviction_interval)
+
+
+def check_model(model) -> None:
+    """Refuse a model given by name or path (a string): it has to be loaded first, with `caote.models.load_model`."""
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model)
+        raise ValueError(
+            f"model must be a loaded model, not the name {name!r}; load it first: "
+            f"model, tokenizer = caote.models.load_model({name!r})"
+        )
 
 
 def check_generate_options(model, options: dict) -> None:
@@ -165,13 +176,14 @@ def generate(
     ``decode_eviction_interval``) or else to
     ``model.generate`` (``do_sample``, ``temperature``, ...); decoding defaults to greedy.
 
-    Every input is checked before the first forward: policy, budget, block size, the model class, the decoding mode
-    (beam search, assisted / prompt-lookup decoding and contrastive search are refused, since the cache cannot be
-    cropped or reordered), an empty prompt and a prompt beyond the model's position limit each raise a one-line
-    `ValueError`.
+    Every input is checked before the first forward: policy, budget, block size, the model (a loaded model, not a
+    name: use `caote.models.load_model`) and its class, the decoding mode (beam search, assisted / prompt-lookup
+    decoding and contrastive search are refused, since the cache cannot be cropped or reordered), an empty prompt
+    and a prompt beyond the model's position limit each raise a one-line `ValueError`.
 
     Returns the text, or a `GenerationResult` (text, token ids, `CacheStats`) with ``return_stats=True``.
     """
+    check_model(model)
     cache_kwargs = {
         key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs
     }

