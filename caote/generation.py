@@ -192,16 +192,49 @@ def generate(
     check_generate_options(model, cache_and_generate_kwargs)
     input_ids = encode_prompt(tokenizer, prompt_or_messages)
     check_length(model, input_ids.shape[-1], max_new_tokens)
-    input_ids = input_ids.to(model.device)
-    cache = EvictionCache(model, budget=budget, policy=policy, block_size=block_size, **cache_kwargs)
-    cache_and_generate_kwargs.setdefault("do_sample", False)
-    if not cache_and_generate_kwargs["do_sample"]:
-        cache_and_generate_kwargs.update(temperature=None, top_p=None, top_k=None)
     if tokenizer.pad_token_id is not None:
         pad_token_id = tokenizer.pad_token_id
     else:
         pad_token_id = tokenizer.eos_token_id
     cache_and_generate_kwargs.setdefault("pad_token_id", pad_token_id)
+    new_ids, stats = generate_ids(
+        model,
+        input_ids,
+        budget,
+        policy,
+        max_new_tokens,
+        block_size,
+        streamer=streamer,
+        **cache_kwargs,
+        **cache_and_generate_kwargs,
+    )
+    text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    return GenerationResult(text, new_ids, stats) if return_stats else text
+
+
+def generate_ids(
+    model,
+    input_ids: torch.Tensor,
+    budget: int,
+    policy: str,
+    max_new_tokens: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    streamer=None,
+    **cache_and_generate_kwargs,
+) -> tuple[list[int], CacheStats]:
+    """The decoding core of `generate` (and of the evaluation runner): ``input_ids`` ``(1, T)`` answered under a
+    fresh `EvictionCache`, the prompt consumed in blocks of ``block_size``; greedy unless ``do_sample=True``.
+
+    Checks nothing itself (`generate` checks first). Keyword arguments named in `CACHE_ARGUMENTS` go to the cache,
+    the rest to ``model.generate``. Returns the new token ids and the cache's `CacheStats`."""
+    cache_kwargs = {
+        key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs
+    }
+    input_ids = input_ids.to(model.device)
+    cache = EvictionCache(model, budget=budget, policy=policy, block_size=block_size, **cache_kwargs)
+    cache_and_generate_kwargs.setdefault("do_sample", False)
+    if not cache_and_generate_kwargs["do_sample"]:
+        cache_and_generate_kwargs.update(temperature=None, top_p=None, top_k=None)
     with torch.no_grad():
         output = model.generate(
             input_ids,
@@ -212,6 +245,4 @@ def generate(
             streamer=streamer,
             **cache_and_generate_kwargs,
         )
-    new_ids = output[0, input_ids.shape[1] :].tolist()
-    text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    return GenerationResult(text, new_ids, cache.stats()) if return_stats else text
+    return output[0, input_ids.shape[1] :].tolist(), cache.stats()
