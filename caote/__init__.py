@@ -3,30 +3,49 @@
 ``caote.generate(model, tokenizer, prompt, budget=256, policy="tova+caote")`` answers a prompt while every layer keeps
 at most ``budget`` KV tokens; ``EvictionCache`` plugs the same bounded cache into ``model.generate``; importing caote
 also registers the ``caote-text-generation`` transformers pipeline (one compressed context, several questions).
+
+``import caote`` itself is cheap: torch and transformers are imported on first use of a name below, and the pipeline
+is registered when ``transformers.pipelines`` is first imported (see `caote._registration`).
 """
 
-from caote.cache import CacheSnapshot, CacheStats, EvictionCache
-from caote.generation import GenerationResult, generate
-from caote.pipeline import CaoteTextGenerationPipeline
-from caote.pipeline import register as _register_pipeline
-from caote.policies import describe, expand_policies, parse_policy, policy_names
-from caote.scoring import caote_score, fast_caote_score
+from __future__ import annotations
+
+import importlib
+
+from caote._registration import install as _install_pipeline_registration
 
 __version__ = "0.1.0"
 
-_register_pipeline()
+# public name -> the submodule that defines it (imported on first attribute access, PEP 562)
+_LAZY = {
+    "CacheSnapshot": "caote.cache",
+    "CacheStats": "caote.cache",
+    "EvictionCache": "caote.cache",
+    "GenerationResult": "caote.generation",
+    "generate": "caote.generation",
+    "CaoteTextGenerationPipeline": "caote.pipeline",
+    "describe": "caote.policies",
+    "expand_policies": "caote.policies",
+    "parse_policy": "caote.policies",
+    "policy_names": "caote.policies",
+    "caote_score": "caote.scoring",
+    "fast_caote_score": "caote.scoring",
+}
 
-__all__ = [
-    "CacheSnapshot",
-    "CacheStats",
-    "CaoteTextGenerationPipeline",
-    "EvictionCache",
-    "GenerationResult",
-    "caote_score",
-    "describe",
-    "expand_policies",
-    "fast_caote_score",
-    "generate",
-    "parse_policy",
-    "policy_names",
-]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'caote' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+_install_pipeline_registration()

@@ -1,6 +1,7 @@
 """The ``caote-text-generation`` transformers pipeline: several questions answered from one compressed context.
 
-Registered when ``caote`` is imported::
+Registered when ``caote`` is imported (lazily: right after ``transformers.pipelines`` is first imported, see
+`caote._registration`; importing this module registers it too)::
 
     import caote
     from transformers import pipeline
@@ -179,7 +180,7 @@ class CaoteTextGenerationPipeline(Pipeline):
 
 
 def register() -> None:
-    """Register ``caote-text-generation`` with transformers (idempotent; done on ``import caote``)."""
+    """Register ``caote-text-generation`` with transformers (idempotent; done when this module is imported)."""
     if TASK not in PIPELINE_REGISTRY.get_supported_tasks():
         PIPELINE_REGISTRY.register_pipeline(
             TASK, pipeline_class=CaoteTextGenerationPipeline, pt_model=AutoModelForCausalLM
@@ -187,3 +188,5 @@ def register() -> None:
 
 
 __all__ = ["CaoteTextGenerationPipeline", "register", "split_chat_template", "TASK"]
+
+register()
