@@ -1,18 +1,21 @@
 """Reading attention probabilities out of a Hugging Face model without changing its attention kernel.
 
-The model keeps its own attention implementation (sdpa by default). Hooks on each attention module keep the output
+The model keeps its own attention implementation (sdpa or eager). Hooks on each attention module keep the output
 of its query projection and, after the module ran, finish the queries the scores need (QK-norm where the model has
-one, RoPE) and take their softmax against the cached keys. Under eager attention the probabilities the kernel
-already produced are reused instead.
+one, RoPE) and take their float32 softmax against the cached keys.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Backends whose 4D mask the cache reads for padding; the probabilities are recomputed in float32 for both.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -30,8 +33,93 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             f"{type(model).__name__} has non-full attention layers ({sorted(set(layer_types))}); "
             "caote evicts only in models whose every layer is full attention"
         )
+    check_attention_implementation(model)
     decoder = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
     return [layer.self_attn for layer in decoder.layers]
+
+
+def check_attention_implementation(model: nn.Module) -> None:
+    """Refuse attention backends whose masks the cache cannot read exactly (flash attention gets a 2D mask, flex
+    attention a BlockMask), in one line naming the ones that work."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attention implementation {implementation!r} is not supported by caote; load the model with "
+            f"attn_implementation={' or '.join(repr(name) for name in SUPPORTED_ATTENTION)}"
+        )
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The window of a model whose every layer slides (Mistral with ``sliding_window`` set), else None."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    return window if window is not None and not getattr(config, "layer_types", None) else None
+
+
+class AttentionTap:
+    """The hooks through which one cache sees a model's attention: after each attention module ran on a forward
+    given that cache, ``cache.after_attention(module, kwargs, projected_queries)`` is called with the output of the
+    module's query projection (kept instead of projecting again). Forwards given any other cache pass untouched.
+
+    The hooks hold the cache weakly and are removed by `remove`, or when the cache is garbage-collected."""
+
+    def __init__(self, modules: list[nn.Module], cache):
+        self._cache = weakref.ref(cache)
+        self._modules = modules
+        self._queries: dict[nn.Module, torch.Tensor] = {}
+        self._armed: set[nn.Module] = set()
+        self._handles = []
+        for module in modules:
+            self._handles += [
+                module.register_forward_pre_hook(self._before, with_kwargs=True),
+                module.q_proj.register_forward_hook(self._query_hook(module)),
+                module.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+            ]
+        self._finalizer = weakref.finalize(cache, AttentionTap._remove_handles, self._handles)
+
+    @property
+    def installed(self) -> bool:
+        return self._finalizer.alive
+
+    def running(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s attention module is inside a forward given this tap's cache right now (False
+        when another model runs the cache: its modules carry no hook of this cache)."""
+        return self._modules[layer_idx] in self._armed
+
+    def remove(self) -> None:
+        """Take every hook off the model (idempotent)."""
+        self._finalizer()
+        self._queries.clear()
+        self._armed.clear()
+
+    @staticmethod
+    def _remove_handles(handles) -> None:
+        for handle in handles:
+            handle.remove()
+
+    def _ours(self, kwargs: dict):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return cache if cache is not None and cache is self._cache() else None
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._ours(kwargs) is not None:
+            check_attention_implementation(module)
+            self._armed.add(module)
+
+    def _query_hook(self, module: nn.Module):
+        def keep(projection: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if module in self._armed:
+                self._queries[module] = output
+
+        return keep
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        self._armed.discard(module)
+        queries = self._queries.pop(module, None)
+        cache = self._ours(kwargs)
+        if cache is None or output is None:  # output is None when the forward raised
+            return
+        cache.after_attention(module, kwargs, queries)
 
 
 def finish_queries(module: nn.Module, projected: torch.Tensor, position_embeddings) -> torch.Tensor:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from caote.attention import attention_modules, attention_rows, finish_queries
-from caote.policies import SNAPKV_WINDOW, Policy, ScoreInputs, parse_policy
+from caote.attention import AttentionTap, attention_modules, attention_rows, finish_queries, sliding_window
+from caote.policies import Policy, ScoreInputs, parse_policy
 from caote.scoring import GQA_AGGREGATIONS, accumulate_attention, keep_recent_rows
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,13 @@ class EvictionLayer(DynamicLayer):
     @property
     def retained(self) -> int:
         return 0 if self.keys is None or self.keys.dim() < 3 else self.keys.shape[-2]
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the keys and values held now."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -133,12 +141,14 @@ class EvictionCache(Cache):
     Parameters
     ----------
     model:
-        The Llama / Mistral / Qwen2 / Qwen3 model the cache serves; hooks are added to its attention modules once.
+        The Llama / Mistral / Qwen2 / Qwen3 model the cache serves (sdpa or eager attention). The cache adds hooks to
+        its attention modules; `close` (or leaving a ``with EvictionCache(...) as cache:`` block, or dropping the
+        cache) removes them.
     budget:
         Tokens kept per layer (and per KV head) after each step.
     policy:
-        ``"full"``, ``"streamingllm"``, ``"h2o"``, ``"tova"``, ``"snapkv"``, ``"keydiff"``, ``"knorm"``, ``"random"``
-        or ``"<base>+caote"`` / ``"<base>+fastcaote"`` (see `caote.policies`).
+        ``"full"``, ``"streamingllm"``, ``"h2o"``, ``"tova"``, ``"tova-layer"``, ``"snapkv"``, ``"keydiff"``,
+        ``"knorm"``, ``"random"`` or ``"<base>+caote"`` / ``"<base>+fastcaote"`` (see `caote.policies`).
     block_size:
         Prompt block size that ``generate(prefill_chunk_size=...)`` should use (the paper's 128); a forward with more
         new tokens than this is allowed but logs a warning, since its attention is not bounded by the budget.
@@ -151,11 +161,13 @@ class EvictionCache(Cache):
         How CAOTE errors of the query heads sharing a KV head combine: ``"rss"`` (exact), ``"mean"`` or ``"max"``.
         Plain base scores are always averaged over the group.
     seed:
-        Seed of the ``random`` policy.
+        Seed of the ``random`` policy (its numbers are drawn on the CPU, whatever device each layer is on).
     decode_eviction_interval:
-        Decoding evicts one token per step by default (1). With ``k > 1`` a decode step that overflows the budget
-        evicts ``k`` tokens at once, so scoring runs every ``k`` steps; the cache then holds between
-        ``budget - k + 1`` and ``budget`` tokens. Prefill blocks always evict down to ``budget``.
+        Decoding evicts one token per step by default (1). With ``k > 1`` a step with one new token that overflows
+        the budget evicts ``k`` tokens at once, so scoring runs every ``k`` steps; the cache then holds between
+        ``budget - k + 1`` and ``budget`` tokens. Prompt blocks of two or more tokens evict down to ``budget``; a
+        prompt whose last block has a single token counts it as a decode step (``generate`` does not tell the cache
+        which forwards are prompt chunks).
     """
 
     def __init__(
@@ -179,11 +191,13 @@ class EvictionCache(Cache):
         super().__init__(layers=[EvictionLayer() for _ in modules])
         self.budget, self.block_size, self.sink_tokens, self.gqa, self.seed = budget, block_size, sink_tokens, gqa, seed
         self.model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self._modules = modules
+        self.sliding_window = sliding_window(model)
         self._generator: torch.Generator | None = None
         self._peak_kv_bytes = 0
-        self._mask_seen: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        install_hooks(modules)
+        self._held_bytes = [0] * len(modules)  # per layer, as last accounted: a running total, not a sum per call
+        self._total_bytes = 0
+        self._mask_seen: tuple[weakref.ref, torch.Tensor | None] | None = None
+        self._tap = AttentionTap(modules, self)
 
     def __repr__(self):
         return (
@@ -191,15 +205,27 @@ class EvictionCache(Cache):
             f"sink_tokens={self.sink_tokens}, recent_window={self.recent_window}, gqa={self.gqa!r})"
         )
 
+    def close(self) -> None:
+        """Remove the cache's hooks from the model (also done when the cache is garbage-collected). A closed cache
+        refuses further forwards."""
+        self._tap.remove()
+
+    def __enter__(self) -> EvictionCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- generate integration ------------------------------------------------------------------------------------
 
+    # `generate` marks every user-supplied cache by setting this attribute before it starts; no public hook tells a
+    # cache that a new call begins, so the setter is where a cache still holding an earlier call's tokens is refused.
     @property
     def _is_user_defined(self) -> bool:
         return True
 
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
-        # `generate` sets this on every user-supplied cache before it starts: the hook that refuses stale state.
         if self.get_seq_length() > 0:
             raise ValueError(
                 f"this EvictionCache already holds {self.get_seq_length()} tokens from an earlier call; "
@@ -209,8 +235,10 @@ class EvictionCache(Cache):
     def reset(self) -> None:
         """Forget every token and all scoring state, ready for a new sequence."""
         super().reset()
-        self._peak_kv_bytes = 0
+        self._peak_kv_bytes = self._total_bytes = 0
+        self._held_bytes = [0] * len(self.layers)
         self._generator = None
+        self._mask_seen = None
 
     def snapshot(self) -> CacheSnapshot:
         """Record the current state so that `restore` can return to it (e.g. to answer several questions about one
@@ -224,28 +252,43 @@ class EvictionCache(Cache):
             raise ValueError(f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(self.layers)}")
         self.layers = [copy.copy(layer) for layer in snapshot.layers]
         self._peak_kv_bytes = snapshot.peak_kv_bytes
+        self._held_bytes = [layer.kv_bytes for layer in self.layers]
+        self._total_bytes = sum(self._held_bytes)
         if snapshot.generator_state is not None and self._generator is not None:
             self._generator.set_state(snapshot.generator_state)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
-        if self.policy.evicts and layer.retained > self.budget:
-            raise ValueError(
-                f"layer {layer_idx} holds {layer.retained} tokens, over the budget of {self.budget}, so its last step "
-                f"was never scored: this EvictionCache was built for {self.model_name!r} and the model running it "
-                "has no caote hooks; build an EvictionCache with that model"
-            )
+        if self.policy.evicts:
+            if not self._tap.installed:
+                raise ValueError("this EvictionCache was closed; build a new one")
+            if not self._tap.running(layer_idx):
+                raise ValueError(
+                    f"this EvictionCache was built for {self.model_name!r}; build a new one for each model"
+                )
+            self.check_sequence_length(layer.cumulative_length + key_states.shape[-2])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def check_sequence_length(self, tokens: int) -> None:
+        """Refuse a sequence of ``tokens`` that eviction cannot serve exactly: in a model whose every layer slides
+        (Mistral with a window), transformers masks the window by cache slot, which after eviction no longer equals
+        the token's position, so eviction is exact only while the whole sequence fits in the window."""
+        if self.policy.evicts and self.sliding_window is not None and tokens > self.sliding_window:
+            raise ValueError(
+                f"{self.model_name!r} attends through a sliding window of {self.sliding_window} tokens in every "
+                f"layer; eviction (budget {self.budget}, block size {self.block_size}) is exact only while the "
+                f"whole sequence fits in that window, and this one reaches {tokens} tokens"
+            )
 
     # -- eviction ------------------------------------------------------------------------------------------------
 
-    def after_attention(self, module: nn.Module, kwargs: dict, attention_weights: torch.Tensor | None) -> None:
-        """Score the tokens of ``module``'s layer and keep the top ``budget`` (called by the attention hook)."""
-        if self._modules[module.layer_idx] is not module:
-            raise ValueError(f"this EvictionCache was built for {self.model_name!r}; build a new one for each model")
-        layer: EvictionLayer = self.layers[module.layer_idx]
+    def after_attention(self, module: nn.Module, kwargs: dict, projected_queries: torch.Tensor | None) -> None:
+        """Score the tokens of ``module``'s layer and keep the top ``budget`` (called by the attention hook with the
+        output of the module's query projection)."""
+        index = module.layer_idx
+        layer: EvictionLayer = self.layers[index]
         new = layer.new_tokens
-        if new > self.block_size and self.policy.evicts and module.layer_idx == 0:  # once per forward
+        if new > self.block_size and self.policy.evicts and index == 0:  # once per forward
             logger.warning(
                 "EvictionCache received %d tokens in one forward (block size %d): attention over them is not "
                 "bounded by the budget; pass prefill_chunk_size=%d to generate",
@@ -253,41 +296,49 @@ class EvictionCache(Cache):
                 self.block_size,
                 self.block_size,
             )
-        projected_queries = module.__dict__.pop("_caote_projected_queries", None)
         real = self._real_slots(kwargs.get("attention_mask"), layer.keys)
         self._record_positions(layer, kwargs, real)
-        self._peak_kv_bytes = max(self._peak_kv_bytes, self.kv_bytes())
+        self._account(index)
+        self._peak_kv_bytes = max(self._peak_kv_bytes, self._total_bytes)
         if not self.policy.evicts:
             return
-        self._record_attention(layer, module, kwargs, attention_weights, projected_queries, real)
+        self._record_attention(layer, module, kwargs, projected_queries, real)
         if layer.retained <= self.budget:
             return
         kept = self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1
         inputs = ScoreInputs(
-            layer.keys,
-            layer.values,
-            layer.positions,
-            layer.accumulated,
-            layer.recent_rows,
-            self._random_generator(layer.keys.device),
+            keys=layer.keys,
+            values=layer.values,
+            positions=layer.positions,
+            real=layer.positions >= 0,
+            accumulated=layer.accumulated,
+            recent_rows=layer.recent_rows,
+            generator=self._random_generator() if self.policy.base.needs_random else None,
         )
         scores = self._protect(self.policy.scores(inputs, self.gqa), layer.positions)
         layer.keep(scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
+        self._account(index)
+
+    def _account(self, index: int) -> None:
+        """Bring the running total of KV bytes up to date with layer ``index`` (O(1), unlike summing all layers)."""
+        held = self.layers[index].kv_bytes
+        self._total_bytes += held - self._held_bytes[index]
+        self._held_bytes[index] = held
 
     def _real_slots(self, attention_mask: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor | None:
         """``(B, N)`` bool: which cache slots hold real tokens rather than left padding; None when none is padding.
 
         The newest query of a step sees every earlier slot unless it is padding, so its row of the 4D mask (bool for
         sdpa, additive float for eager) is the padding mask of the slots. Every layer of a forward gets the same mask
-        object, so the answer is worked out once per forward."""
-        if attention_mask is None or attention_mask.dim() != 4:
+        object, so the answer is worked out once per forward (the mask is held weakly: it is not kept alive)."""
+        if attention_mask is None:
             return None
-        if self._mask_seen is not None and self._mask_seen[0] is attention_mask:
+        if self._mask_seen is not None and self._mask_seen[0]() is attention_mask:
             return self._mask_seen[1]
         row = attention_mask[:, 0, -1, -keys.shape[-2] :]
         real = (row if row.dtype == torch.bool else row == 0).expand(keys.shape[0], -1)
-        real = None if bool(real.all()) else real
-        self._mask_seen = (attention_mask, real)
+        real = None if bool(real.all()) else real.clone()
+        self._mask_seen = (weakref.ref(attention_mask), real)
         return real
 
     def _record_positions(self, layer: EvictionLayer, kwargs: dict, real: torch.Tensor | None) -> None:
@@ -300,31 +351,43 @@ class EvictionCache(Cache):
         if real is not None:
             positions = positions.masked_fill(~real[:, -new:], -1)
         positions = positions.unsqueeze(1).expand(batch, kv_heads, new)
-        layer.positions = positions if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)
+        layer.positions = (
+            positions.contiguous() if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)
+        )
 
-    def _record_attention(self, layer, module, kwargs, attention_weights, projected_queries, real) -> None:
-        """Compute the attention rows the base score reads and fold them into the layer's history."""
-        kind = self.policy.base.query_rows
-        if kind == "none":
+    def _record_attention(self, layer, module, kwargs, projected_queries, real) -> None:
+        """Compute the attention rows the base score reads and fold them into the layer's history.
+
+        Rows are computed only when the policy will read them: every row for a running sum (H2O), otherwise only
+        while the layer is within the base's query window of its next eviction; a cache with room to spare does no
+        scoring work. Probabilities are always recomputed in float32 from the queries (under eager too, whose own
+        probabilities are rounded to the model's dtype), so the backend does not change the kept set."""
+        base = self.policy.base
+        if base.query_rows == "none":
             return
         new = layer.new_tokens
-        rows = {"last": 1, "window": min(SNAPKV_WINDOW, new), "all": new}[kind]
-        if attention_weights is not None:  # eager attention already produced them
-            probabilities = attention_weights[:, :, -rows:, :].float()
-        else:
-            if projected_queries is None:
-                projected_queries = module.q_proj(kwargs["hidden_states"][:, -rows:])
-            cos, sin = kwargs["position_embeddings"]
-            queries = finish_queries(module, projected_queries[:, -rows:], (cos[:, -rows:], sin[:, -rows:]))
-            probabilities = attention_rows(queries, layer.keys, module.scaling, real)
+        if not self._rows_needed(layer):
+            layer.recent_rows = None  # rows this old fall out of the window before the next eviction
+            return
+        rows = new if base.query_rows == "all" else min(base.query_window, new)
+        if projected_queries is None:
+            raise RuntimeError(f"the query projection of layer {module.layer_idx} did not run through caote's hook")
+        cos, sin = kwargs["position_embeddings"]
+        queries = finish_queries(module, projected_queries[:, -rows:], (cos[:, -rows:], sin[:, -rows:]))
+        probabilities = attention_rows(queries, layer.keys, module.scaling, real)
         if real is not None:  # padding queries add nothing
             probabilities = probabilities * real[:, -rows:][:, None, :, None]
-        if kind == "all":
+        if base.query_rows == "all":
             layer.accumulated = accumulate_attention(layer.accumulated, probabilities)
         else:
-            layer.recent_rows = keep_recent_rows(
-                layer.recent_rows, probabilities, SNAPKV_WINDOW if kind == "window" else 1
-            )
+            layer.recent_rows = keep_recent_rows(layer.recent_rows, probabilities, base.query_window)
+
+    def _rows_needed(self, layer: EvictionLayer) -> bool:
+        """Whether this step's attention rows can still be in the base's query window at the next eviction: that
+        eviction comes once the layer holds more than ``budget`` tokens, so rows of a layer holding ``budget - w``
+        or fewer are ``w`` or more queries old by then. A running sum (H2O) needs every row."""
+        base = self.policy.base
+        return base.query_rows == "all" or layer.retained > self.budget - base.query_window
 
     def _protect(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Sinks and the recent window always stay; padding always goes first (which keeps the slots that the 2D
@@ -334,22 +397,18 @@ class EvictionCache(Cache):
         scores = scores.masked_fill(protected, float("inf"))
         return scores.masked_fill(positions < 0, float("-inf"))
 
-    def _random_generator(self, device: torch.device) -> torch.Generator | None:
-        if self.policy.base.name != "random":
-            return None
+    def _random_generator(self) -> torch.Generator:
+        """One CPU generator for every layer: the numbers are drawn on the CPU and moved to each layer's device, so
+        layers spread over several devices draw from one reproducible stream."""
         if self._generator is None:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generator = torch.Generator().manual_seed(self.seed)
         return self._generator
 
     # -- statistics ----------------------------------------------------------------------------------------------
 
     def kv_bytes(self) -> int:
         """Bytes of keys and values held right now, over all layers."""
-        return sum(
-            layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-            for layer in self.layers
-            if layer.is_initialized
-        )
+        return sum(layer.kv_bytes for layer in self.layers)
 
     def stats(self) -> CacheStats:
         """Tokens seen / kept / evicted per layer and KV bytes (now, at peak, and what a full cache would hold)."""
@@ -390,39 +449,3 @@ def validate_settings(
     if gqa not in GQA_AGGREGATIONS:
         raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {gqa!r}")
     return recent_window
-
-
-def _before_attention_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    module._caote_keep_queries = isinstance(cache, EvictionCache) and cache.policy.evicts
-
-
-def _keep_projected_queries(attention: nn.Module):
-    def hook(q_proj: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if getattr(attention, "_caote_keep_queries", False):
-            attention._caote_projected_queries = output
-
-    return hook
-
-
-def _after_attention_hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, EvictionCache):
-        if "hidden_states" not in kwargs and args:
-            kwargs = {**kwargs, "hidden_states": args[0]}
-        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-        cache.after_attention(module, kwargs, weights)
-
-
-def install_hooks(modules: list[nn.Module]) -> None:
-    """Add the eviction hooks to each attention module once; they act only on forwards given an EvictionCache.
-
-    The query projection's output is kept for the scores (instead of projecting again); the hook after attention
-    scores and evicts."""
-    for module in modules:
-        if getattr(module, "_caote_hooks", None) is None:
-            module._caote_hooks = (
-                module.register_forward_pre_hook(_before_attention_hook, with_kwargs=True),
-                module.q_proj.register_forward_hook(_keep_projected_queries(module)),
-                module.register_forward_hook(_after_attention_hook, with_kwargs=True),
-            )

@@ -23,7 +23,15 @@ UNSUPPORTED_MODES = {
     "custom_generate": ("a custom generate method", lambda value: value is not None),
 }
 # generate() arguments caote.generate sets itself.
-RESERVED_ARGUMENTS = ("cache", "past_key_values", "prefill_chunk_size", "use_cache", "input_ids", "inputs")
+RESERVED_ARGUMENTS = (
+    "cache",
+    "past_key_values",
+    "prefill_chunk_size",
+    "use_cache",
+    "input_ids",
+    "inputs",
+    "attention_mask",
+)
 CACHE_ARGUMENTS = ("sink_tokens", "recent_window", "gqa", "seed", "decode_eviction_interval")
 
 
@@ -231,11 +239,12 @@ def generate_ids(
         key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs
     }
     input_ids = input_ids.to(model.device)
-    cache = EvictionCache(model, budget=budget, policy=policy, block_size=block_size, **cache_kwargs)
     cache_and_generate_kwargs.setdefault("do_sample", False)
     if not cache_and_generate_kwargs["do_sample"]:
         cache_and_generate_kwargs.update(temperature=None, top_p=None, top_k=None)
-    with torch.no_grad():
+    cache = EvictionCache(model, budget=budget, policy=policy, block_size=block_size, **cache_kwargs)
+    cache.check_sequence_length(input_ids.shape[1] + max_new_tokens)
+    with torch.no_grad(), cache:
         output = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),

@@ -133,15 +133,16 @@ class CaoteTextGenerationPipeline(Pipeline):
         longest = max(ids.shape[-1] for ids in question_ids)
         check_length(self.model, context_ids.shape[-1] + longest, max_new_tokens)
         cache = EvictionCache(self.model, budget=budget, policy=policy, block_size=block_size, **(cache_kwargs or {}))
-        self._feed(context_ids, cache, block_size)
-        stats = [cache.stats()]
-        snapshot = cache.snapshot()
-        answers = []
-        for index, ids in enumerate(question_ids):
-            if index:
-                cache.restore(snapshot)
-            answers.append(self._greedy(ids, cache, block_size, max_new_tokens))
-            stats.append(cache.stats())
+        with cache:
+            context_logits = self._feed(context_ids, cache, block_size)
+            stats = [cache.stats()]
+            snapshot = cache.snapshot()
+            answers = []
+            for index, ids in enumerate(question_ids):
+                if index:
+                    cache.restore(snapshot)
+                answers.append(self._greedy(ids, context_logits, cache, block_size, max_new_tokens))
+                stats.append(cache.stats())
         return {"answers": answers, "stats": stats}
 
     def _feed(self, ids: torch.Tensor, cache: EvictionCache, block_size: int) -> torch.Tensor | None:
@@ -154,12 +155,16 @@ class CaoteTextGenerationPipeline(Pipeline):
             logits = output.logits[:, -1]
         return logits
 
-    def _greedy(self, question_ids, cache, block_size, max_new_tokens) -> list[int]:
+    def _greedy(self, question_ids, context_logits, cache, block_size, max_new_tokens) -> list[int]:
+        """Greedy answer after ``question_ids``; with no question tokens (no question, no chat template) the answer
+        continues the context from ``context_logits``."""
         stop = set()
         for source in (getattr(self.model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
             if source is not None:
                 stop.update(source if isinstance(source, (list, tuple)) else [source])
         logits = self._feed(question_ids, cache, block_size)
+        if logits is None:
+            logits = context_logits
         answer: list[int] = []
         for _ in range(max_new_tokens):
             token = int(logits.argmax(dim=-1)[0])

@@ -1,7 +1,8 @@
 """Eviction policies: a base score, optionally made value-aware by CAOTE or FastCAOTE.
 
 A policy name is ``<base>`` or ``<base>+caote`` / ``<base>+fastcaote`` (e.g. ``"snapkv+fastcaote"``), plus ``"full"``
-(no eviction). Adding a policy means writing one score function in `caote.scoring` and one `BaseScore` entry here.
+(no eviction). Adding a base means writing one score function in `caote.scoring` and one `BaseScore` entry here; the
+entry says everything the cache must provide (which attention rows, random numbers), so nothing else names it.
 """
 
 from __future__ import annotations
@@ -15,39 +16,47 @@ import torch
 from caote import scoring
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScoreInputs:
     """Everything a base score may read for one layer at one step (all tensors cover retained + new tokens)."""
 
     keys: torch.Tensor  # (B, H_kv, N, d)
     values: torch.Tensor  # (B, H_kv, N, d)
     positions: torch.Tensor  # (B, H_kv, N) absolute positions, -1 for padding
-    accumulated: torch.Tensor | None  # (B, H_q, N) attention summed over every query seen (bases reading "all")
-    recent_rows: torch.Tensor | None  # (B, H_q, R, N) attention of the newest queries (bases reading "last"/"window")
-    generator: torch.Generator | None = None
+    real: torch.Tensor  # (B, H_kv, N) bool, False for padding: padding takes no part in any score
+    accumulated: torch.Tensor | None = None  # (B, H_q, N) attention summed over every query seen ("all" rows)
+    recent_rows: torch.Tensor | None = None  # (B, H_q, R, N) attention of the newest queries ("recent" rows)
+    generator: torch.Generator | None = None  # CPU generator, for bases that need random numbers
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BaseScore:
-    """A base eviction score and what it needs from the attention.
+    """A base eviction score and what it needs from the cache.
 
-    ``query_rows``: which attention rows the cache must compute: ``"none"``, ``"last"`` (newest query),
-    ``"window"`` (the newest ``window`` queries) or ``"all"`` (every query, accumulated H2O-style).
+    ``query_rows``: which attention rows the cache must compute: ``"none"``, ``"recent"`` (the newest
+    ``query_window`` queries) or ``"all"`` (every query, accumulated H2O-style).
     ``per_query_head``: the score comes per query head (attention) rather than per KV head (keys).
     ``signed``: scores may be negative, so CAOTE shifts them before normalising.
     ``recent_window``: newest tokens protected from eviction unless the user overrides it (by default just the
     newest token, which the next step reads first); a float is a share of the budget (H2O's heavy-hitter / recent
     split).
+    ``layer_wide``: one decision for the whole layer (every KV head keeps the same tokens), as the original TOVA.
+    ``needs_random``: the score draws random numbers (the cache hands it a seeded generator).
+    ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
     """
 
     name: str
     score: Callable[[ScoreInputs], torch.Tensor]
-    query_rows: str
-    per_query_head: bool
-    signed: bool
     summary: str
     reference: str
+    query_rows: str = "none"
+    query_window: int = 1
+    per_query_head: bool = False
+    signed: bool = False
     recent_window: int | float = 1
+    layer_wide: bool = False
+    needs_random: bool = False
+    rank_only: bool = False
 
 
 SNAPKV_WINDOW = 32
@@ -57,74 +66,75 @@ BASE_SCORES: dict[str, BaseScore] = {
     base.name: base
     for base in (
         BaseScore(
-            "streamingllm",
-            lambda x: scoring.streamingllm_score(x.positions),
-            "none",
-            False,
-            False,
-            "attention sinks + the most recent tokens",
-            "Xiao et al. 2023, arXiv 2309.17453",
+            name="streamingllm",
+            score=lambda x: scoring.streamingllm_score(x.positions),
+            summary="attention sinks + the most recent tokens",
+            reference="Xiao et al. 2023, arXiv 2309.17453",
+            rank_only=True,
         ),
         BaseScore(
-            "h2o",
-            lambda x: scoring.h2o_score(x.accumulated),
-            "all",
-            True,
-            False,
-            "attention accumulated over every query so far (heavy hitters; half the budget kept recent)",
-            "Zhang et al. 2023, arXiv 2306.14048",
+            name="h2o",
+            score=lambda x: scoring.h2o_score(x.accumulated),
+            summary="attention accumulated over every query so far (heavy hitters; half the budget kept recent)",
+            reference="Zhang et al. 2023, arXiv 2306.14048",
+            query_rows="all",
+            per_query_head=True,
             recent_window=0.5,
         ),
         BaseScore(
-            "tova",
-            lambda x: scoring.tova_score(x.recent_rows),
-            "last",
-            True,
-            False,
-            "attention of the newest query",
-            "Oren et al. 2024, arXiv 2401.06104",
+            name="tova",
+            score=lambda x: scoring.tova_score(x.recent_rows),
+            summary="attention of the newest query, averaged per KV group (each KV head evicts its own tokens)",
+            reference="Oren et al. 2024, arXiv 2401.06104",
+            query_rows="recent",
+            per_query_head=True,
         ),
         BaseScore(
-            "snapkv",
-            lambda x: scoring.snapkv_score(x.recent_rows, SNAPKV_KERNEL),
-            "window",
-            True,
-            False,
-            f"attention of the last {SNAPKV_WINDOW} queries, pooled over {SNAPKV_KERNEL} neighbours",
-            "Li et al. 2024, arXiv 2404.14469",
+            name="tova-layer",
+            score=lambda x: scoring.tova_score(x.recent_rows),
+            summary="TOVA as published: attention of the newest query averaged over all heads of the layer; "
+            "every KV head keeps the same tokens",
+            reference="Oren et al. 2024, arXiv 2401.06104",
+            query_rows="recent",
+            per_query_head=True,
+            layer_wide=True,
+        ),
+        BaseScore(
+            name="snapkv",
+            score=lambda x: scoring.snapkv_score(x.recent_rows, SNAPKV_KERNEL),
+            summary=f"attention of the last {SNAPKV_WINDOW} queries on the tokens before them, pooled over "
+            f"{SNAPKV_KERNEL} neighbours",
+            reference="Li et al. 2024, arXiv 2404.14469",
+            query_rows="recent",
+            query_window=SNAPKV_WINDOW,
+            per_query_head=True,
             recent_window=SNAPKV_WINDOW,
         ),
         BaseScore(
-            "keydiff",
-            lambda x: scoring.keydiff_score(x.keys),
-            "none",
-            False,
-            True,
-            "negative cosine similarity of each key to the mean key",
-            "Park et al. 2025, arXiv 2504.15364",
+            name="keydiff",
+            score=lambda x: scoring.keydiff_score(x.keys, x.real),
+            summary="negative cosine similarity of each key to the mean key",
+            reference="Park et al. 2025, arXiv 2504.15364",
+            signed=True,
         ),
         BaseScore(
-            "knorm",
-            lambda x: scoring.knorm_score(x.keys),
-            "none",
-            False,
-            True,
-            "negative L2 norm of each key",
-            "Devoto et al. 2024, arXiv 2406.11430",
+            name="knorm",
+            score=lambda x: scoring.knorm_score(x.keys),
+            summary="negative L2 norm of each key",
+            reference="Devoto et al. 2024, arXiv 2406.11430",
+            signed=True,
         ),
         BaseScore(
-            "random",
-            lambda x: scoring.random_score(x.keys, x.generator),
-            "none",
-            False,
-            False,
-            "uniformly random scores (a floor to beat)",
-            "-",
+            name="random",
+            score=lambda x: scoring.random_score(x.keys, x.generator),
+            summary="uniformly random scores (a floor to beat)",
+            reference="-",
+            needs_random=True,
         ),
     )
 }
 
-TRANSFORMS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = {
+TRANSFORMS: dict[str, Callable[..., torch.Tensor] | None] = {
     "none": None,
     "caote": scoring.caote_score,
     "fastcaote": scoring.fast_caote_score,
@@ -133,8 +143,6 @@ TRANSFORM_SUMMARIES = {
     "caote": "value-aware: ranks by the exact attention-output change w/(1-w)*||X - v|| (arXiv 2504.14051)",
     "fastcaote": "value-aware, cheaper: CAOTE with the mean value in place of the output (arXiv 2504.14051)",
 }
-# Bases whose score is a ranking only (no mass to normalise): CAOTE does not apply to them.
-RANK_ONLY_BASES = ("streamingllm",)
 
 
 @dataclass(frozen=True)
@@ -150,24 +158,32 @@ class Policy:
         return self.base is not None
 
     def scores(self, inputs: ScoreInputs, gqa: str = "rss") -> torch.Tensor:
-        """base score -> value-aware transform -> GQA aggregation, ``(B, H_kv, N)``, higher = keep."""
+        """base score -> value-aware transform -> GQA aggregation, ``(B, H_kv, N)``, higher = keep.
+
+        Padding gets ``-inf`` before anything else, so it has no weight, no part in a mean or minimum and no vote."""
         base = self.base.score(inputs)
         kv_heads = inputs.values.shape[1]
         grouped = scoring.group_query_heads(base, kv_heads) if self.base.per_query_head else base.unsqueeze(2)
+        real = inputs.real.unsqueeze(2)  # (B, H_kv, 1, N), broadcast over the group
+        grouped = grouped.masked_fill(~real, float("-inf"))
         transform = TRANSFORMS[self.transform]
-        if transform is None:
-            return scoring.aggregate_groups(grouped, "mean")
-        weights = scoring.normalise_weights(grouped, signed=self.base.signed)
-        return scoring.aggregate_groups(transform(weights, inputs.values.unsqueeze(2)), gqa)
+        how = "mean" if transform is None else gqa
+        if transform is not None:
+            weights = scoring.normalise_weights(grouped, signed=self.base.signed)
+            grouped = transform(weights, inputs.values.unsqueeze(2), real)
+        scores = scoring.aggregate_groups(grouped, how)
+        if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group
+            scores = scoring.aggregate_groups(scores.unsqueeze(1), how).expand_as(scores)
+        return scores
 
 
 def policy_names() -> list[str]:
     """Every valid policy string, in a stable order."""
     names = ["full"]
-    for base in BASE_SCORES:
-        names.append(base)
-        if base not in RANK_ONLY_BASES:
-            names += [f"{base}+{transform}" for transform in TRANSFORM_SUMMARIES]
+    for name, base in BASE_SCORES.items():
+        names.append(name)
+        if not base.rank_only:
+            names += [f"{name}+{transform}" for transform in TRANSFORM_SUMMARIES]
     return names
 
 

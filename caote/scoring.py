@@ -16,63 +16,89 @@ import math
 import torch
 import torch.nn.functional as F
 
-# A token with at least this share of the attention mass is treated as holding "all" of it (see `caote_score`).
-NEARLY_ALL_MASS = 1.0 - 1e-3
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Value-aware transforms (CAOTE, arXiv 2504.14051)
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (a researcher checking the math keeps full precision); anything else runs in float32."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
 def normalise_weights(weights: torch.Tensor, signed: bool = False) -> torch.Tensor:
-    """Turn a base score into a distribution over tokens (float32, sums to 1 over the last axis).
+    """Turn a base score into a distribution over tokens (sums to 1 over the last axis; float32, or float64 input).
 
     Non-negative scores are divided by their sum (the paper's ``f_norm`` for H2O and SnapKV). Signed scores
     (KeyDiff, K-norm) are first shifted so that their minimum is zero, which keeps the ranking.
-    Masked-out tokens may carry ``-inf``; they get weight 0.
+    Masked-out tokens (padding) carry ``-inf``: they get weight 0 and take no part in the minimum.
     """
-    weights = weights.float()
+    weights = weights.to(compute_dtype(weights))
     finite = torch.isfinite(weights)
     weights = torch.where(finite, weights, torch.zeros_like(weights))
     if signed:
         floor = torch.where(finite, weights, torch.full_like(weights, math.inf)).amin(-1, keepdim=True)
         weights = torch.where(finite, weights - floor, torch.zeros_like(weights))
     weights = weights.clamp_min(0.0)
-    return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
 
-def _eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """``w_j / (1 - w_j) * ||output - v_j||_2`` with a safe denominator (float32)."""
+def eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``w_j / (1 - w_j) * ||output - v_j||_2`` for every token j, exact for every weight.
+
+    For ``w_j <= 1/2`` the formula is well conditioned as written. The (at most one) token with ``w_j > 1/2`` would
+    lose ``1 - w_j`` and ``output - v_j`` to cancellation, so its error is computed from the other tokens directly:
+    with ``X_-j = sum_{i != j} w_i v_i`` and ``rest = sum_{i != j} w_i``, ``c_j = w_j * ||X_-j / rest - v_j||``.
+    When every other weight is exactly zero, evicting j leaves nothing to renormalise: its error is ``+inf`` (it
+    always ranks first). ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them.
+    """
     distance = torch.linalg.vector_norm(output.unsqueeze(-2) - values, dim=-1)
-    rest = (1.0 - weights).clamp_min(torch.finfo(torch.float32).eps)
-    error = weights / rest * distance
-    # A token holding (nearly) all the mass: 1 - w_j and ||X - v_j|| both vanish and their ratio is lost to rounding.
-    # Evicting it replaces the output by the average of a handful of near-zero-weight tokens, so it must rank first.
-    dominant = weights >= NEARLY_ALL_MASS
-    return torch.where(dominant, error.amax(-1, keepdim=True) * 2.0 + 1.0, error)
+    error = weights / (1.0 - weights).clamp_min(0.5) * distance
+    heaviest = weights.argmax(-1, keepdim=True)
+    others = weights.scatter(-1, heaviest, 0.0)
+    rest = others.sum(-1, keepdim=True)
+    without = torch.einsum("...n,...nd->...d", others, values.expand(*weights.shape, values.shape[-1]))
+    top_value = values.expand(*weights.shape, values.shape[-1]).gather(
+        -2, heaviest.unsqueeze(-1).expand(*heaviest.shape, values.shape[-1])
+    )
+    top_weight = weights.gather(-1, heaviest)
+    moved = torch.linalg.vector_norm(without.unsqueeze(-2) / rest.unsqueeze(-1) - top_value, dim=-1)
+    stable = torch.where(rest > 0, top_weight * moved, torch.full_like(moved, math.inf))
+    return error.scatter(-1, heaviest, torch.where(top_weight > 0.5, stable, error.gather(-1, heaviest)))
 
 
-def caote_score(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """CAOTE eviction error of every token (Goel et al., arXiv 2504.14051, Thm. 3.2).
 
     ``c_j = w_j / (1 - w_j) * || sum_i w_i v_i - v_j ||_2``: the exact change of the attention output when token j
-    alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` are normalised to sum to 1 first;
-    ``values`` ``(..., N, d)`` broadcast against them (GQA: weights ``(B, H_kv, g, N)``, values
-    ``(B, H_kv, 1, N, d)``). Computed in float32 whatever the input dtype; never NaN or inf.
+    alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` are normalised to sum to 1 first
+    (``-inf`` marks padding); ``values`` ``(..., N, d)`` broadcast against them (GQA: weights ``(B, H_kv, g, N)``,
+    values ``(B, H_kv, 1, N, d)``). ``real`` is accepted for the same signature as `fast_caote_score` (padding
+    already has weight 0 here). Computed in float32 (float64 inputs in float64); never NaN.
     """
-    weights, values = normalise_weights(weights), values.float()
+    weights = normalise_weights(weights)
+    values = values.to(weights.dtype)
     output = torch.einsum("...n,...nd->...d", weights, values)
-    return _eviction_error(weights, values, output)
+    return eviction_error(weights, values, output)
 
 
-def fast_caote_score(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def fast_caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """FastCAOTE (arXiv 2504.14051, §3): CAOTE with the plain mean of the values in place of ``sum_i w_i v_i``.
 
-    ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; shapes as in `caote_score`.
+    ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; shapes as in `caote_score`. ``real`` ``(..., N)``
+    (broadcast like the weights' leading axes) marks the tokens that are not padding: the mean is over those only.
     """
-    weights, values = normalise_weights(weights), values.float()
-    return _eviction_error(weights, values, values.mean(-2))
+    weights = normalise_weights(weights)
+    values = values.to(weights.dtype)
+    return eviction_error(weights, values, masked_mean(values, real))
+
+
+def masked_mean(values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """Mean of ``values`` ``(..., N, d)`` over the tokens ``real`` ``(..., N)`` marks (all when None)."""
+    if real is None:
+        return values.mean(-2)
+    real = real.to(values.dtype).unsqueeze(-1)
+    return (values * real).sum(-2) / real.sum(-2).clamp_min(1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -92,10 +118,14 @@ def accumulate_attention(previous: torch.Tensor | None, attention: torch.Tensor)
 def keep_recent_rows(previous: torch.Tensor | None, attention: torch.Tensor, rows: int) -> torch.Tensor:
     """The last ``rows`` attention rows seen, ``(B, H, <=rows, N)``: older rows get zero attention on newer tokens
     (they could not see them)."""
-    if previous is not None and attention.shape[-2] < rows:  # else the new rows fill the window: skip pad + copy
-        previous = F.pad(previous, (0, attention.shape[-1] - previous.shape[-1]))
-        attention = torch.cat([previous, attention], dim=-2)
-    return attention[..., -rows:, :]
+    new = attention.shape[-2]
+    if new >= rows:  # the new rows fill the window (cloned only if they are a slice of a larger tensor)
+        window = attention[..., -rows:, :]
+        return window if new == rows else window.clone()
+    if previous is None:
+        return attention
+    previous = F.pad(previous[..., -(rows - new) :, :], (0, attention.shape[-1] - previous.shape[-1]))
+    return torch.cat([previous, attention], dim=-2)
 
 
 def h2o_score(accumulated: torch.Tensor) -> torch.Tensor:
@@ -110,15 +140,19 @@ def tova_score(recent_rows: torch.Tensor) -> torch.Tensor:
 
 
 def snapkv_score(window_rows: torch.Tensor, kernel_size: int = 5) -> torch.Tensor:
-    """SnapKV (Li et al., arXiv 2404.14469): attention of the last ``w`` queries (default 32, the observation window),
-    summed, then average-pooled over ``kernel_size`` (default 5) neighbouring tokens so that neighbours of a hit
-    survive with it. ``(B, H_q, w, N) -> (B, H_q, N)``."""
+    """SnapKV (Li et al., arXiv 2404.14469): attention of the last ``w`` queries (default 32, the observation window)
+    summed over the tokens *before* the window, then average-pooled over ``kernel_size`` (default 5) neighbouring
+    tokens so that neighbours of a hit survive with it, as the original pools ``attn[..., -w:, :-w]``. The window's
+    own tokens are kept anyway (they are the protected recent window); they get their summed votes, unpooled, so that
+    a value-aware transform still sees their share of the mass. ``(B, H_q, w, N) -> (B, H_q, N)``."""
     votes = window_rows.sum(-2)
-    if kernel_size <= 1:
-        return votes
+    window = window_rows.shape[-2]
     batch, heads, tokens = votes.shape
-    pooled = F.avg_pool1d(votes.reshape(batch * heads, 1, tokens), kernel_size, stride=1, padding=kernel_size // 2)
-    return pooled.view(batch, heads, -1)[..., :tokens]
+    if kernel_size <= 1 or tokens <= window:
+        return votes
+    before = votes[..., : tokens - window].reshape(batch * heads, 1, tokens - window)
+    pooled = F.avg_pool1d(before, kernel_size, stride=1, padding=kernel_size // 2)[..., : tokens - window]
+    return torch.cat([pooled.view(batch, heads, -1), votes[..., tokens - window :]], dim=-1)
 
 
 def streamingllm_score(positions: torch.Tensor) -> torch.Tensor:
@@ -127,23 +161,27 @@ def streamingllm_score(positions: torch.Tensor) -> torch.Tensor:
     return positions.float()
 
 
-def keydiff_score(keys: torch.Tensor) -> torch.Tensor:
+def keydiff_score(keys: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """KeyDiff (Park et al., arXiv 2504.15364): keys far from the mean key are distinctive, so
-    ``score_j = -cos(k_j, mean_i k_i)`` per KV head. ``(B, H_kv, N, d) -> (B, H_kv, N)``."""
-    keys = keys.float()
-    anchor = keys.mean(-2, keepdim=True)
+    ``score_j = -cos(k_j, mean_i k_i)`` per KV head, the mean over the tokens ``real`` ``(B, H_kv, N)`` marks (not
+    padding; all when None). ``(B, H_kv, N, d) -> (B, H_kv, N)``."""
+    keys = keys.to(compute_dtype(keys))
+    anchor = masked_mean(keys, real).unsqueeze(-2)
     return -F.cosine_similarity(keys, anchor, dim=-1)
 
 
 def knorm_score(keys: torch.Tensor) -> torch.Tensor:
     """K-norm (Devoto et al., arXiv 2406.11430): keys with a small L2 norm attract attention, so
     ``score_j = -||k_j||_2``. ``(B, H_kv, N, d) -> (B, H_kv, N)``."""
-    return -torch.linalg.vector_norm(keys.float(), dim=-1)
+    return -torch.linalg.vector_norm(keys.to(compute_dtype(keys)), dim=-1)
 
 
 def random_score(keys: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Uniform random scores in [0, 1): the floor any real policy must beat. ``(B, H_kv, N, d) -> (B, H_kv, N)``."""
-    return torch.rand(keys.shape[:-1], generator=generator, device=keys.device)
+    """Uniform random scores in [0, 1): the floor any real policy must beat. ``(B, H_kv, N, d) -> (B, H_kv, N)``.
+    Drawn on the generator's device (the CPU by default) and moved to the keys' device, so one generator serves
+    layers on any number of devices."""
+    device = generator.device if generator is not None else keys.device
+    return torch.rand(keys.shape[:-1], generator=generator, device=device).to(keys.device)
 
 
 # ---------------------------------------------------------------------------------------------------------------

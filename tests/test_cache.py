@@ -1,5 +1,7 @@
 """EvictionCache inside stock `model.generate` on tiny random models."""
 
+import gc
+
 import pytest
 import torch
 from conftest import random_ids, tiny_model
@@ -218,11 +220,31 @@ def test_layers_are_eviction_layers_and_report_cumulative_mask_sizes(llama):
     assert layer.get_mask_sizes(1) == (41, 60)
 
 
-def test_a_model_without_caote_hooks_is_caught_instead_of_growing_silently(llama):
-    other = tiny_model("llama", seed=1)  # never had an EvictionCache built for it, so it carries no hooks
+def test_a_model_without_this_caches_hooks_is_caught_at_its_first_forward(llama):
+    other = tiny_model("llama", seed=1)
+    EvictionCache(other, budget=40, policy="tova", block_size=BLOCK)  # hooks of another cache do not count
     cache = EvictionCache(llama, budget=40, policy="tova", block_size=BLOCK)
-    with pytest.raises(ValueError, match="has no caote hooks"):
-        greedy(other, random_ids(100), cache)
+    with pytest.raises(ValueError, match="build a new one for each model"):
+        other(random_ids(20), cache=cache, use_cache=True)
+
+
+def hook_count(model) -> int:
+    return sum(len(module._forward_hooks) + len(module._forward_pre_hooks) for module in model.modules())
+
+
+def test_close_and_garbage_collection_take_the_hooks_off_the_model():
+    model = tiny_model("llama")
+    before = hook_count(model)
+    with EvictionCache(model, budget=40, policy="tova", block_size=BLOCK) as cache:
+        assert hook_count(model) == before + 3 * len(model.model.layers)
+        greedy(model, random_ids(60), cache, new_tokens=2)
+    assert hook_count(model) == before
+    with pytest.raises(ValueError, match="was closed"):
+        model(random_ids(4), cache=cache, use_cache=True)
+    EvictionCache(model, budget=40, policy="tova", block_size=BLOCK)  # dropped at once
+    gc.collect()
+    assert hook_count(model) == before
+    assert not any(name.startswith("_caote") for module in model.modules() for name in vars(module))
 
 
 def test_a_decode_eviction_interval_evicts_k_tokens_every_k_steps_within_budget(llama):
