@@ -6,7 +6,7 @@ python benchmarks/run.py --model tiny-llama --contexts 64,128 --budget 32 --bloc
 
 import sys
 
-from caote.benchmark import main
+from caote.benchmark.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

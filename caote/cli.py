@@ -1,22 +1,24 @@
 """The ``caote`` command line: ``caote generate | policies | eval | bench``.
 
-Run as ``caote ...`` or ``python -m caote ...``. Each subcommand lives in its own module and exposes
-``add_parser(subparsers)``, which registers the parser and sets ``func(args) -> int`` on it.
-Exit codes: 0 success, 2 usage error, 1 runtime error.
+Run as ``caote ...`` or ``python -m caote ...``. Each subcommand module in `SUBCOMMANDS` exposes
+``add_parser(subparsers)``, which registers its parser and sets ``func(args) -> int`` on it; this list is the only
+wiring. Exit codes: 0 success, 2 usage error (`caote.arguments.UsageError`), 1 runtime error.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-# module that defines each subcommand's `add_parser`, in --help order
-SUBCOMMANDS = ("caote.commands", "caote.evaluation.cli", "caote.benchmark")
+from caote import commands
+from caote.arguments import UsageError
+from caote.benchmark import cli as benchmark_cli
+from caote.evaluation import cli as evaluation_cli
 
+# the modules that register the subcommands, in --help order
+SUBCOMMANDS = (commands, evaluation_cli, benchmark_cli)
 
-class UsageError(ValueError):
-    """A bad command-line value: reported in one line with exit code 2."""
+__all__ = ["SUBCOMMANDS", "UsageError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
-        importlib.import_module(module).add_parser(subparsers)
+        module.add_parser(subparsers)
     return parser
 
 
@@ -46,8 +48,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Import main from the package module, not this __main__ copy, so UsageError raised by the subcommands is the
-    # class main() catches (exit code 2).
-    from caote.cli import main as package_main
-
-    sys.exit(package_main())
+    sys.exit(main())

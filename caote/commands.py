@@ -12,22 +12,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from caote.arguments import UsageError, positive_int
 from caote.cache import DEFAULT_BLOCK_SIZE
 
 DEFAULT_BUDGET = 512
 DEFAULT_POLICY = "tova+caote"
 DEFAULT_MAX_NEW_TOKENS = 64
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1, else a one-line usage error naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def add_parser(subparsers) -> None:
@@ -48,20 +38,20 @@ def add_parser(subparsers) -> None:
         help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)",
     )
     generate.add_argument(
-        "--budget", type=_positive_int, default=DEFAULT_BUDGET, help="KV tokens kept per layer (default: %(default)s)"
+        "--budget", type=positive_int, default=DEFAULT_BUDGET, help="KV tokens kept per layer (default: %(default)s)"
     )
     generate.add_argument(
         "--policy", default=DEFAULT_POLICY, help="eviction policy, see 'caote policies' (default: %(default)s)"
     )
     generate.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_NEW_TOKENS,
         help="most tokens to generate (default: %(default)s)",
     )
     generate.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help="prompt tokens per prefill block (default: %(default)s)",
     )
@@ -93,6 +83,7 @@ def add_parser(subparsers) -> None:
 
 def policy_table() -> str:
     """The Markdown table of every policy (``| policy | description |``), as printed by ``caote policies``."""
+    # start-up: the policies import torch, which `caote --help` does not need
     from caote.policies import describe, policy_names
 
     lines = ["| policy | description |", "|---|---|"]
@@ -111,8 +102,6 @@ def run_policies(args: argparse.Namespace) -> int:
 
 def read_prompt(prompt: str | None, prompt_file: Path | None, stdin=None) -> str:
     """The prompt text from the argument, ``-`` (stdin) or a file; `UsageError` when missing, doubled or empty."""
-    from caote.cli import UsageError
-
     if prompt is not None and prompt_file is not None:
         raise UsageError("give the prompt either as an argument or with --prompt-file, not both")
     if prompt_file is not None:
@@ -164,8 +153,12 @@ def format_stats(stats) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Validate every input before loading the model, then stream the answer (and write/print what was asked)."""
-    from caote.cli import UsageError
-    from caote.generation import check_settings
+    # start-up: generation, models and transformers import torch, which `caote --help` does not need
+    from transformers import TextStreamer
+    from transformers.utils import logging as transformers_logging
+
+    from caote.generation import check_settings, generate
+    from caote.models import load_model
 
     text = read_prompt(args.prompt, args.prompt_file)
     try:
@@ -179,12 +172,6 @@ def run_generate(args: argparse.Namespace) -> int:
             raise UsageError(f"--output '{args.output}' is a directory; give a file path")
         if not args.output.parent.is_dir():
             raise UsageError(f"--output '{args.output}': folder '{args.output.parent}' does not exist")
-
-    from transformers import TextStreamer
-    from transformers.utils import logging as transformers_logging
-
-    from caote.generation import generate
-    from caote.models import load_model
 
     transformers_logging.disable_progress_bar()  # keep stderr for errors and --stats
     model, tokenizer = load_model(args.model)

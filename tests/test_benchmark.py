@@ -6,11 +6,14 @@ import json
 
 import pytest
 
-from caote import benchmark
-from caote.benchmark import BenchConfig, run_benchmark
+from caote.benchmark import inputs, memory
+from caote.benchmark.cli import config_from_args
+from caote.benchmark.config import TINY_LLAMA, BenchConfig
+from caote.benchmark.document import markdown_report, report_from_json
+from caote.benchmark.schedule import run_benchmark
 
 TINY_RUN = dict(
-    model=benchmark.TINY_LLAMA,
+    model=TINY_LLAMA,
     contexts=(48, 96),
     repeats={48: 2, 96: 1},
     budget=40,
@@ -116,20 +119,20 @@ def test_files_written(tiny_run):
 def test_markdown_report_of_partial_document(tiny_run):
     document, _ = tiny_run
     partial = {"meta": document["meta"], "samples": document["samples"][:3]}
-    text = benchmark.markdown_report(partial)
+    text = markdown_report(partial)
     assert "## Context 48 tokens" in text
 
 
 def test_prompt_ids_from_essays_or_random():
-    ids, source = benchmark.prompt_ids(None, 50, "essays", vocab_size=96)
+    ids, source = inputs.prompt_ids(None, 50, "essays", vocab_size=96)
     assert ids.shape == (1, 50) and "random" in source and int(ids.max()) < 96
     with pytest.raises(ValueError):
-        benchmark.prompt_ids(None, 10, "poetry", vocab_size=96)
+        inputs.prompt_ids(None, 10, "poetry", vocab_size=96)
 
 
 def test_peak_rss_reads():
-    benchmark.reset_peak_rss()
-    now, peak = benchmark.rss_bytes(), benchmark.peak_rss_bytes()
+    memory.reset_peak_rss()
+    now, peak = memory.rss_bytes(), memory.peak_rss_bytes()
     # the kernel updates VmHWM lazily (per-thread RSS counters), so it may trail VmRSS by a few pages
     assert now > 0 and peak > 0.9 * now
 
@@ -148,7 +151,7 @@ def test_cli_parser_registers_bench(tmp_path):
         [
             "bench",
             "--model",
-            benchmark.TINY_LLAMA,
+            TINY_LLAMA,
             "--contexts",
             "32,64",
             "--repeats",
@@ -169,7 +172,7 @@ def test_cli_parser_registers_bench(tmp_path):
             str(tmp_path),
         ]
     )
-    config = benchmark.config_from_args(args)
+    config = config_from_args(args)
     assert config.contexts == (32, 64) and config.repeats == {32: 1, 64: 1}
     assert config.policies == ("streamingllm", "tova+caote") and config.decode_policies == ("tova+caote",)
     assert callable(args.func)
@@ -182,6 +185,6 @@ def test_report_from_partial_json(tiny_run, tmp_path):
     meta = {key: value for key, value in document["meta"].items() if key not in ("finished", "load_average_end")}
     partial = {"meta": meta, "samples": document["samples"][:4]}
     (tmp_path / "results.json").write_text(json.dumps(partial))
-    rebuilt = benchmark.report_from_json(tmp_path / "results.json", log=lambda line: None)
+    rebuilt = report_from_json(tmp_path / "results.json", log=lambda line: None)
     assert rebuilt["summary"]["medians"]["full-sdpa"]["48"]["samples"] == 1
     assert "(unfinished)" in (tmp_path / "results.md").read_text()

@@ -143,11 +143,8 @@ def test_runtime_error_exits_1_and_writes_nothing(tmp_path):
     target = tmp_path / "answer.txt"
     result = caote("generate", "hello", "--model", str(tmp_path / "no-model"), "--output", str(target))
     assert result.returncode == 1
-    assert (
-        result.stderr.strip()
-        .splitlines()[-1]
-        .startswith(f"caote generate: error: cannot load model '{tmp_path / 'no-model'}'")
-    )
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("caote generate: error: ") and str(tmp_path / "no-model") in last
     assert not target.exists() and list(tmp_path.iterdir()) == []
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from caote.cli import build_parser, main
-from caote.evaluation import runner
+from caote.evaluation.config import config_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,6 +38,7 @@ def _rejected(capsys, argv: list[str]) -> str:
         (["eval", "niah", "--depths", "50,150"], "must be percentages in 0..100"),
         (["eval", "niah", "--quick"], "--quick applies to 'report' only"),
         (["eval", "ruler", "--samples", "-3"], "--samples: -3 is below the minimum 1"),
+        (["eval", "ruler", "--tasks", "niah_single,summarise"], "--tasks: unknown ruler tasks ['summarise']"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, expected):
@@ -62,19 +63,16 @@ def test_good_arguments_build_the_config(tmp_path):
             str(tmp_path),
         ]
     )
-    config = runner.config_from_args(args)
+    config = config_from_args(args)
     assert config.benchmark == "perplexity" and config.budgets == [256, 128] and config.lengths == [2048]
     assert len(config.policies) == 11 and config.policies[0] == "full" and config.samples == 3
     assert config.out == tmp_path and config.split == "test"
 
 
-def test_unknown_ruler_task_is_a_usage_error(tmp_path):
-    from caote.cli import UsageError
-
+def test_unknown_ruler_task_is_refused_before_any_work(tmp_path):
     args = build_parser().parse_args(["eval", "ruler", "--tasks", "niah_single,summarise", "--out", str(tmp_path)])
-    config = runner.config_from_args(args)
-    with pytest.raises(UsageError, match="unknown RULER tasks"):
-        runner.build_examples(config, tokenizer=None)
+    with pytest.raises(ValueError, match="unknown ruler tasks"):
+        config_from_args(args)
 
 
 def test_command_line_process_exits_2_with_one_line():

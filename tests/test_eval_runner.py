@@ -13,12 +13,16 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model
 
-from caote.evaluation import report, runner
+from caote.evaluation import runner, stats, tables
+from caote.evaluation.config import config_from_args
 from caote.evaluation.examples import Example
-from caote.evaluation.fidelity import fidelity
-from caote.evaluation.perplexity import lockstep
+from caote.evaluation.lockstep import fidelity, lockstep
+from caote.evaluation.rows import VOLATILE_FIELDS, load_rows, read_rows
+from caote.evaluation.tasks import MetricSpec
 
 REPO = Path(__file__).resolve().parents[1]
+SCORE = MetricSpec("score", "accuracy", 2, higher_is_better=True, binary=True)
+CONTINUOUS_SCORE = MetricSpec("score", "F1", 2, higher_is_better=True)
 POLICIES = ["tova", "h2o+caote"]
 BUDGETS = [24, 40]
 
@@ -54,7 +58,7 @@ def _examples(count: int = 3) -> list[Example]:
 
 
 def _stable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k not in runner.VOLATILE_FIELDS} for row in rows]
+    return [{k: v for k, v in row.items() if k not in VOLATILE_FIELDS} for row in rows]
 
 
 def _run(model, tokenizer, out: Path, examples, rank: int = 0, world: int = 1) -> int:
@@ -68,7 +72,7 @@ def test_resume_after_crash_gives_every_row_once(big_vocab_model, tokenizer, tmp
     expected = len(examples) * (1 + len(POLICIES) * len(BUDGETS))
     reference_dir = tmp_path / "reference"
     assert _run(big_vocab_model, tokenizer, reference_dir, examples) == expected
-    reference = runner.load_rows(reference_dir)
+    reference = load_rows(reference_dir)
     assert len(reference) == expected
     assert all(row["evicted"] for row in reference if row["budget"] is not None)  # budgets < prompt: all computed
 
@@ -84,7 +88,7 @@ def test_resume_after_crash_gives_every_row_once(big_vocab_model, tokenizer, tmp
     monkeypatch.setattr(runner, "answer", crashing)
     with pytest.raises(RuntimeError, match="killed"):
         _run(big_vocab_model, tokenizer, out, examples)
-    assert len(runner.read_rows(out / "rows.0.jsonl")) == 4
+    assert len(read_rows(out / "rows.0.jsonl")) == 4
 
     counted = []
 
@@ -98,7 +102,7 @@ def test_resume_after_crash_gives_every_row_once(big_vocab_model, tokenizer, tmp
     lines = (out / "rows.0.jsonl").read_text().splitlines()
     keys = [json.loads(line)["key"] for line in lines]
     assert len(keys) == len(set(keys)) == expected
-    assert _stable(runner.load_rows(out)) == _stable(reference)
+    assert _stable(load_rows(out)) == _stable(reference)
     # a third run has nothing left to do
     assert _run(big_vocab_model, tokenizer, out, examples) == 0
 
@@ -111,7 +115,7 @@ def test_torn_last_line_is_cut_and_recomputed(big_vocab_model, tokenizer, tmp_pa
     lines = shard.read_text().splitlines(keepends=True)
     lost = json.loads(lines[-1])["key"]
     shard.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # killed mid-write
-    assert lost not in {row["key"] for row in runner.load_rows(out)}
+    assert lost not in {row["key"] for row in load_rows(out)}
     assert _run(big_vocab_model, tokenizer, out, examples) == 1
     rows = [json.loads(line) for line in shard.read_text().splitlines()]  # every line parses again
     assert [row["key"] for row in rows].count(lost) == 1
@@ -123,7 +127,7 @@ def test_budget_covering_the_prompt_reuses_the_full_row(big_vocab_model, tokeniz
     runner.run_examples(
         big_vocab_model, tokenizer, examples, ["tova"], [24, 4096], tmp_path, "tiny", "toy", block_size=16
     )
-    rows = {row["budget"]: row for row in runner.load_rows(tmp_path)}
+    rows = {row["budget"]: row for row in load_rows(tmp_path)}
     assert rows[4096]["evicted"] is False and rows[4096]["prediction"] == rows[None]["prediction"]
     assert rows[24]["evicted"] is True and rows[24]["full_score"] == rows[None]["score"]
 
@@ -131,7 +135,7 @@ def test_budget_covering_the_prompt_reuses_the_full_row(big_vocab_model, tokeniz
 def test_rank_shards_split_examples_round_robin(big_vocab_model, tokenizer, tmp_path):
     examples = _examples(3)
     _run(big_vocab_model, tokenizer, tmp_path, examples, rank=1, world=2)
-    assert {row["example_id"] for row in runner.load_rows(tmp_path)} == {"toy/1"}
+    assert {row["example_id"] for row in load_rows(tmp_path)} == {"toy/1"}
     assert (tmp_path / "rows.1.jsonl").is_file() and not (tmp_path / "rows.0.jsonl").exists()
 
 
@@ -191,10 +195,10 @@ def test_two_processes_give_the_same_rows_as_one(tokenizer, tmp_path):
     from caote.cli import build_parser
     from caote.models import load_model
 
-    config = runner.config_from_args(build_parser().parse_args([*arguments, "--out", str(tmp_path / "one")]))
+    config = config_from_args(build_parser().parse_args([*arguments, "--out", str(tmp_path / "one")]))
     loaded, loaded_tokenizer = load_model(str(model_dir))
     runner.run_rows(config, loaded, loaded_tokenizer)
-    two, one = runner.load_rows(tmp_path / "two"), runner.load_rows(tmp_path / "one")
+    two, one = load_rows(tmp_path / "two"), load_rows(tmp_path / "one")
     assert {row["rank"] for row in two} == {0, 1}
     assert len(one) == 3 * (1 + 2) and _stable(two) == _stable(one)
     assert (tmp_path / "two" / "summary.md").is_file()
@@ -245,30 +249,30 @@ def test_fidelity_is_zero_for_full_and_positive_under_eviction(llama96):
 
 
 def test_wilson_interval_matches_known_values():
-    low, high = report.wilson_interval(5, 10)
+    low, high = stats.wilson_interval(5, 10)
     assert (low, high) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
-    low, high = report.wilson_interval(0, 10)
+    low, high = stats.wilson_interval(0, 10)
     assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
-    low, high = report.wilson_interval(10, 10)
+    low, high = stats.wilson_interval(10, 10)
     assert low == pytest.approx(0.7225, abs=1e-4) and high == 1.0
 
 
 def test_bootstrap_and_estimate():
-    assert report.bootstrap_interval([2.5] * 7) == (2.5, 2.5)
-    low, high = report.bootstrap_interval([0.0, 1.0] * 50)
+    assert stats.bootstrap_interval([2.5] * 7) == (2.5, 2.5)
+    low, high = stats.bootstrap_interval([0.0, 1.0] * 50)
     # normal approximation of the mean of 100 fair coin flips: 0.5 +- 1.96 * 0.05
     assert low == pytest.approx(0.402, abs=0.03) and high == pytest.approx(0.598, abs=0.03)
-    binary = report.estimate([1, 0, 1, 1])
+    binary = stats.estimate([1, 0, 1, 1])
     assert binary.method == "wilson" and binary.mean == 0.75
-    continuous = report.estimate([0.2, 0.4, 0.9])
+    continuous = stats.estimate([0.2, 0.4, 0.9])
     assert continuous.method == "bootstrap" and 0.2 <= continuous.low <= continuous.mean <= continuous.high <= 0.9
-    assert report.estimate([]).n == 0 and report.estimate([]).cell() == "–"
-    zero_kl = report.estimate([0.0, 0.0], binary=False)
+    assert stats.estimate([]).n == 0 and stats.estimate([]).cell() == "–"
+    zero_kl = stats.estimate([0.0, 0.0], binary=False)
     assert zero_kl.method == "bootstrap" and (zero_kl.low, zero_kl.high) == (0.0, 0.0)
 
 
 def test_paired_comparison_and_verdicts():
-    difference = report.paired_difference({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 0.5, "b": 1.5, "c": 2.5, "d": 9.0})
+    difference = stats.paired_difference({"a": 1.0, "b": 2.0, "c": 3.0}, {"a": 0.5, "b": 1.5, "c": 2.5, "d": 9.0})
     assert difference.n == 3 and difference.mean == pytest.approx(0.5)
     assert (difference.low, difference.high) == (pytest.approx(0.5), pytest.approx(0.5))
     rows = []
@@ -277,10 +281,10 @@ def test_paired_comparison_and_verdicts():
         rows.append({"policy": "tova+caote", "budget": 64, "example_id": f"e{index}", "score": 1.0})
         rows.append({"policy": "h2o", "budget": 64, "example_id": f"e{index}", "score": 1.0})
         rows.append({"policy": "h2o+caote", "budget": 64, "example_id": f"e{index}", "score": float(index % 2)})
-    records = {(r["base"], r["transform"]): r for r in report.comparison_records(rows, "score", "toy", True)}
+    records = {(r["base"], r["transform"]): r for r in tables.comparison_records(rows, SCORE, "toy")}
     assert records[("tova", "caote")]["verdict"] == "helps" and records[("tova", "caote")]["delta"] == 1.0
     assert records[("h2o", "caote")]["verdict"] == "hurts"
-    few = report.comparison_records(rows[:8], "score", "toy", True)
+    few = tables.comparison_records(rows[:8], SCORE, "toy")
     assert all(r["verdict"].startswith("too few") for r in few)
 
 
@@ -290,13 +294,14 @@ def test_summary_records_put_the_full_reference_beside_each_cell():
         {"policy": "full", "budget": None, "example_id": "b", "score": 0.0, "metric": "substring_match"},
         {"policy": "tova", "budget": 64, "example_id": "a", "score": 1.0, "metric": "substring_match"},
     ]
-    f1 = report.summary_records([{**row, "metric": "qa_f1"} for row in rows], "score", "toy")
-    assert {r["ci_method"] for r in f1} == {"bootstrap"}
-    records = {r["policy"]: r for r in report.summary_records(rows, "score", "toy")}
+    f1 = tables.summary_records([{**row, "metric": "qa_f1"} for row in rows], CONTINUOUS_SCORE, "toy")
+    assert {r["ci_method"] for r in f1} == {"bootstrap"}  # a continuous metric, even when its values are 0 or 1
+    records = {r["policy"]: r for r in tables.summary_records(rows, SCORE, "toy")}
     assert records["tova"]["full_mean"] == 1.0  # only the examples the cell has
     assert records["full"]["mean"] == 0.5 and records["full"]["ci_method"] == "wilson"
-    continuous = report.summary_records([{**row, "kl": 0.0} for row in rows], "kl", "toy")
+    kl = MetricSpec("kl", "KL", 4, higher_is_better=False)
+    continuous = tables.summary_records([{**row, "kl": 0.0} for row in rows], kl, "toy")
     assert {r["ci_method"] for r in continuous} == {"bootstrap"}
     assert all(r["ci_high"] == 0.0 for r in continuous)
-    table = report.markdown_table(list(records.values()))
+    table = tables.markdown_table(list(records.values()))
     assert "**full (reference)**" in table and "| tova | 1.00 [" in table

@@ -1,9 +1,9 @@
-"""``caote eval BENCHMARK``: run a benchmark over policies x budgets, or the whole default grid (``report``).
+"""``caote eval BENCHMARK``: run a task over policies x budgets, or the whole default grid (``report``).
 
-Every benchmark appends one JSON row per (example, policy, budget) to ``<out>/rows.<rank>.jsonl`` and skips rows
-already there, so an interrupted run resumes where it stopped; ``accelerate launch -m caote.cli eval ...`` shards
-the examples over processes. After the rows, a summary (Markdown + CSV, means with 95 % intervals) and plots are
-written to ``<out>``.
+Every task appends one JSON row per (example, policy, budget) to ``<out>/rows.<rank>.jsonl`` and skips rows already
+there, so an interrupted run resumes where it stopped; ``accelerate launch -m caote.cli eval ...`` shards the
+examples over processes. After the rows, a summary (Markdown + CSV, means with 95 % intervals) and plots are written
+to ``<out>``. This module is the only place of `caote.evaluation` where a bad value becomes a usage error (exit 2).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-BENCHMARKS = ("niah", "perplexity", "ruler", "longbench", "fidelity", "report")
-GENERATION_BENCHMARKS = ("niah", "ruler", "longbench")
+from caote.arguments import UsageError
+from caote.evaluation.registry import BENCHMARKS, REPORT
+
 DEFAULT_POLICIES = "paper"
 DEFAULT_BUDGETS = "128,256,512"
 DEFAULT_LENGTHS = "1024,2048"
@@ -38,12 +39,12 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--policies",
-        default=None,
-        help=f"comma list of policies or a group ('paper', 'all') (default: {DEFAULT_POLICIES})",
+        default=DEFAULT_POLICIES,
+        help="comma list of policies or a group ('paper', 'all') (default: %(default)s)",
     )
-    parser.add_argument("--budgets", default=None, help=f"comma list of KV budgets (default: {DEFAULT_BUDGETS})")
+    parser.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma list of KV budgets (default: %(default)s)")
     parser.add_argument(
-        "--lengths", default=None, help=f"comma list of context lengths in tokens (default: {DEFAULT_LENGTHS})"
+        "--lengths", default=DEFAULT_LENGTHS, help="comma list of context lengths in tokens (default: %(default)s)"
     )
     parser.add_argument(
         "--samples",
@@ -81,16 +82,15 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from caote.cli import UsageError
-    from caote.evaluation import runner
+    """Validate the arguments (a bad one is a `UsageError`, before any model loads), then run."""
+    # start-up: the runners import torch and transformers, which `caote --help` does not need
+    from caote.evaluation import report
+    from caote.evaluation.config import config_from_args
 
     try:
-        config = runner.config_from_args(args)
-        return runner.run_benchmark(config)
-    except UsageError as error:
-        # Reported here rather than by caote.cli.main: under ``python -m caote.cli`` that module runs as __main__
-        # and its UsageError is a different class from the one imported here.
-        print(f"caote eval: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        config = config_from_args(args)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if config.benchmark == REPORT:
+        return report.run_report(config)
+    return report.run_benchmark(config)

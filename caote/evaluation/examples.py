@@ -1,8 +1,8 @@
-"""The unit every generation benchmark produces and the runner consumes."""
+"""The unit every generation task produces and the runner answers."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,3 @@ class Example:
     max_new_tokens: int
     answer_prefix: str = ""
     meta: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)

@@ -1,9 +1,10 @@
 """Attention-output fidelity: how far each layer's attention output moves when the cache evicts.
 
 CAOTE ranks tokens by how much evicting them changes the attention output. This module measures that quantity
-end to end: a prompt is consumed block by block twice in lockstep, once with the full cache and once under the
-policy, and for every layer ``i`` the output of ``model.model.layers[i].self_attn`` (its ``output[0]``, after
-``o_proj``) is captured with a forward hook. Per layer, the relative error is
+end to end: a prompt is consumed block by block twice in lockstep (`caote.evaluation.lockstep`), once with the full
+cache and once under the policy, and for every layer ``i`` the output of its attention module
+(`caote.attention.attention_modules`; its ``output[0]``, after ``o_proj``) is captured with a forward hook. Per
+layer, the relative error is
 
     ||O_policy - O_full||_F / ||O_full||_F
 
@@ -17,10 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def decoder_attention_modules(model: nn.Module) -> list[nn.Module]:
-    """``model.model.layers[i].self_attn`` for every decoder layer."""
-    return [layer.self_attn for layer in model.model.layers]
+from caote.attention import attention_modules
 
 
 class AttentionCapture:
@@ -28,7 +26,7 @@ class AttentionCapture:
     on exit)."""
 
     def __init__(self, model: nn.Module):
-        self.modules = decoder_attention_modules(model)
+        self.modules = attention_modules(model)
         self.outputs: list[torch.Tensor | None] = [None] * len(self.modules)
         self._handles = []
 
@@ -92,27 +90,3 @@ def measured(block_start: int, budget: int | None) -> bool:
     """Whether the block starting at ``block_start`` attends an evicted cache (always true for the full cache,
     whose error is measured over every block and must be 0)."""
     return budget is None or block_start > budget
-
-
-def fidelity(
-    model, input_ids: torch.Tensor, policies: list[str], budgets: list[int], block_size: int = 128
-) -> list[dict]:
-    """Per-layer and mean relative attention-output error of each policy x budget on ``input_ids`` ``(1, T)``."""
-    from caote.evaluation.perplexity import lockstep
-
-    runs = lockstep(
-        model,
-        input_ids,
-        [(policy, budget) for policy in policies for budget in budgets],
-        block_size=block_size,
-        fidelity=True,
-    )
-    return [
-        {
-            "policy": run["policy"],
-            "budget": run["budget"],
-            "fidelity": run["fidelity"],
-            "fidelity_layers": run["fidelity_layers"],
-        }
-        for run in runs
-    ]

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from caote.evaluation.examples import Example
+from caote.evaluation.tasks import MetricSpec, Task
 
 LONGBENCH_TASKS = (
     "narrativeqa",
@@ -276,3 +277,24 @@ def longbench_examples(
         max_prompt_tokens=max_length,
         max_samples=samples,
     )
+
+
+# -- the task ----------------------------------------------------------------------------------------------------
+
+
+def examples(config, tokenizer) -> list[Example]:
+    """`longbench_examples` from ``config.data_dir``: the config's tasks (default: all 16), at most
+    ``config.samples`` rows each, prompts cut to the longest of ``config.lengths``."""
+    return longbench_examples(
+        tokenizer, config.data_dir, tasks=config.tasks, samples=config.samples, max_length=max(config.lengths)
+    )
+
+
+TASK = Task(
+    name="longbench",
+    title="LongBench",
+    metrics=(MetricSpec("score", "score", 3, higher_is_better=True, headline="LongBench score"),),
+    examples=examples,
+    subtasks=LONGBENCH_TASKS,
+    needs_data_dir=True,
+)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from caote.evaluation.data import count_tokens, haystack, insert_sentences, prompt_token_count, split_sentences
 from caote.evaluation.examples import Example
+from caote.evaluation.tasks import MetricSpec, Task, joined
 
-TASK = "niah"
+NAME = "niah"
 METRIC = "substring_match"
 INSTRUCTION = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -163,8 +164,8 @@ def niah_example(
         filler_tokens=count_tokens(tokenizer, filler_text),
     )
     return Example(
-        id=f"{TASK}/{needle}/{filler}/len{context_length}/depth{depth:g}/seed{seed}/{index}",
-        task=TASK,
+        id=f"{NAME}/{needle}/{filler}/len{context_length}/depth{depth:g}/seed{seed}/{index}",
+        task=NAME,
         messages=messages,
         answers=(value,),
         metric=METRIC,
@@ -196,3 +197,44 @@ def niah_examples(
         for needle in needles
         for index in range(samples_per_cell)
     ]
+
+
+# -- the task ----------------------------------------------------------------------------------------------------
+
+DEFAULT_DEPTHS = (10, 50, 90)
+
+
+def examples(config, tokenizer) -> list[Example]:
+    """`niah_examples` over the config's context lengths and depths (default 10, 50, 90 %), one sample per cell
+    unless ``config.samples`` says otherwise."""
+    return niah_examples(
+        tokenizer,
+        context_lengths=config.lengths,
+        depths=config.depths or DEFAULT_DEPTHS,
+        samples_per_cell=config.samples or 1,
+        seed=config.seed,
+        split=config.split,
+    )
+
+
+def count(config) -> int:
+    return len(config.lengths) * len(config.depths or DEFAULT_DEPTHS) * (config.samples or 1)
+
+
+def describe(config, rows: list[dict]) -> str:
+    return (
+        f"NIAH: passkey in repetitive filler, context {joined(config.lengths)} tokens × depths "
+        f"{joined(config.depths or DEFAULT_DEPTHS, '%')} × {config.samples or 1} sample(s); substring match "
+        f"({len(rows)} rows)."
+    )
+
+
+TASK = Task(
+    name=NAME,
+    title="Needle in a haystack",
+    metrics=(MetricSpec("score", "accuracy", 2, higher_is_better=True, binary=True, headline="NIAH acc"),),
+    examples=examples,
+    count=count,
+    describe=describe,
+    figures=("niah_heatmaps",),
+)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 from caote.evaluation.data import essay_words, haystack, insert_sentences, prompt_token_count, split_sentences
 from caote.evaluation.examples import Example
+from caote.evaluation.tasks import MetricSpec, Task, joined
 
 METRIC = "string_match_all"
 ADJECTIVES = (
@@ -490,3 +491,41 @@ def ruler_examples(
         for length in context_lengths:
             examples.extend(function(tokenizer, length, seed=seed, samples=samples, split=split, **kwargs))
     return examples
+
+
+# -- the task ----------------------------------------------------------------------------------------------------
+
+
+def examples(config, tokenizer) -> list[Example]:
+    """`ruler_examples` of the config's tasks (default: all) at its context lengths, one sample each unless
+    ``config.samples`` says otherwise."""
+    return ruler_examples(
+        tokenizer,
+        tasks=config.tasks or tuple(RULER_TASKS),
+        context_lengths=config.lengths,
+        samples=config.samples or 1,
+        seed=config.seed,
+        split=config.split,
+    )
+
+
+def count(config) -> int:
+    return len(config.lengths) * len(config.tasks or RULER_TASKS) * (config.samples or 1)
+
+
+def describe(config, rows: list[dict]) -> str:
+    return (
+        f"RULER-style: {joined(config.tasks or RULER_TASKS)} at {joined(config.lengths)} tokens × "
+        f"{config.samples or 1} sample(s); {METRIC} ({len(rows)} rows)."
+    )
+
+
+TASK = Task(
+    name="ruler",
+    title="RULER-style tasks",
+    metrics=(MetricSpec("score", f"score ({METRIC})", 2, higher_is_better=True, headline="RULER score"),),
+    examples=examples,
+    count=count,
+    describe=describe,
+    subtasks=tuple(RULER_TASKS),
+)

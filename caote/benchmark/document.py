@@ -1,0 +1,151 @@
+"""The run as documents: results.md (medians, ratios, targets) and results.png, also from a partial
+results.json."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from caote.benchmark.stats import summarise
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def _num(value, digits: int = 2) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def markdown_report(document: dict) -> str:
+    """The summary as Markdown: medians per context, ratios, targets met or not."""
+    meta, summary = document["meta"], document.get("summary") or summarise(document)
+    config = meta["config"]
+    lines = [
+        f"# caote benchmark: {meta['model']}",
+        "",
+        f"- model: {meta['model_type']}, {meta['layers']} layers, {meta['query_heads']} query / {meta['kv_heads']} KV "
+        f"heads, head_dim {meta['head_dim']}, {meta['dtype']}, weights {meta['weight_bytes'] / 1e9:.3f} GB",
+        f"- prompt: {meta['prompt']}",
+        f"- budget {config['budget']} tokens, block {config['block_size']}, {config['new_tokens']} decoded tokens, "
+        f"repeats per context {config['repeats']} (round-robin over configurations; ratios are medians of "
+        "same-round ratios)",
+        f"- {meta['machine']}; torch {meta['torch']}, transformers {meta['transformers']}, python {meta['python']}",
+        f"- load average (1/5/15 min) at start {meta['load_average_start']}, at end "
+        f"{meta.get('load_average_end', '-')}; per sample in results.json",
+        f"- memory: {meta['memory_method']}",
+        f"- run {meta['started']} .. {meta.get('finished', '(unfinished)')}",
+        "",
+    ]
+    for context, rows in summary["ratios"].items():
+        lines += [
+            f"## Context {context} tokens",
+            "",
+            "| configuration | n | prefill s | vs full-sdpa | vs streamingllm | vs base | KV peak MiB | "
+            "KV peak / full (bound) | RSS peak MiB | prefill RSS MiB | decode tok/s | decode speed-up "
+            "(traffic bound) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name in meta["configurations"]:
+            median = summary["medians"].get(name, {}).get(context)
+            if median is None:
+                continue
+            ratio = rows.get(name, {})
+            kv_ratio = (
+                "-"
+                if "kv_peak_vs_full" not in ratio
+                else f"{ratio['kv_peak_vs_full']:.3f} ({ratio['kv_peak_bound']:.3f})"
+            )
+            speedup = (
+                "-"
+                if ratio.get("decode_speedup") is None
+                else f"{ratio['decode_speedup']:.2f} ({ratio['decode_speedup_bound']:.2f})"
+            )
+            lines.append(
+                f"| {name} | {median['samples']} | {_num(median['prefill_s'])} "
+                f"| {_num(ratio.get('prefill_vs_full_sdpa'))} "
+                f"| {_num(ratio.get('time_vs_streamingllm'), 3)} | {_num(ratio.get('time_vs_base'), 3)} "
+                f"| {_mib(median['kv_peak_bytes'])} | {kv_ratio} | {_mib(median['peak_rss_bytes'])} "
+                f"| {_mib(median['prefill_rss_bytes'])} | {_num(median['decode_tokens_per_s'])} | {speedup} |"
+            )
+        lines.append("")
+    lines += [
+        f"## Targets: {summary['targets_met']} of {summary['targets_total']} met",
+        "",
+        "| target | value | limit | met |",
+        "|---|---|---|---|",
+    ]
+    for target in summary["targets"]:
+        value = _num(target["value"], 3)
+        if "memory_traffic_bound" in target:
+            value += f" (traffic bound {target['memory_traffic_bound']:.2f})"
+        lines.append(
+            f"| {target['target']} | {value} | {target['relation']} {target['limit']:.3g} "
+            f"| {'yes' if target['met'] else '**no**'} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(document: dict, path: str | Path) -> Path:
+    """Prefill time, KV peak, process peak memory and decode speed versus context, one line per configuration."""
+    try:
+        # optional dependency (the eval extra), and slow to import: loaded only when a plot is drawn
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError(
+            "the benchmark plot needs matplotlib: pip install matplotlib "
+            "(or pass --no-plot; JSON and Markdown are written without it)"
+        ) from error
+    summary = document.get("summary") or summarise(document)
+    panels = (
+        ("prefill_s", "prefill wall time (s)", 1),
+        ("kv_peak_bytes", "KV cache at peak (MiB)", 2**20),
+        ("peak_rss_bytes", "process peak RSS (MiB)", 2**20),
+        ("decode_tokens_per_s", "decode tokens/s", 1),
+    )
+    figure, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for axis, (key, title, scale) in zip(axes.flat, panels):
+        for name in document["meta"]["configurations"]:
+            points = sorted(
+                (int(c), m[key] / scale) for c, m in summary["medians"].get(name, {}).items() if m.get(key) is not None
+            )
+            if points:
+                style = "--" if name.startswith("full") else ("-" if "+" not in name else ":")
+                axis.plot(*zip(*points), style, marker="o", label=name)
+        axis.set_title(title)
+        axis.set_xlabel("context (tokens)")
+        axis.set_xscale("log", base=2)
+        axis.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7, ncol=2)
+    config = document["meta"]["config"]
+    figure.suptitle(
+        f"{document['meta']['model']}: budget {config['budget']}, block {config['block_size']} "
+        f"(medians; load avg start {document['meta']['load_average_start']})"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)
+
+
+def report_from_json(path: str | Path, log=print) -> dict:
+    """Rewrite results.md (and results.png) next to a results.json, also one left by an unfinished run."""
+    path = Path(path)
+    document = json.loads(path.read_text())
+    document["summary"] = summarise(document)
+    write_documents(document, path.parent, log)
+    return document
+
+
+def write_documents(document: dict, out: Path, log=print) -> None:
+    """results.md and (when matplotlib is installed) results.png under ``out``."""
+    (out / "results.md").write_text(markdown_report(document))
+    try:
+        plot(document, out / "results.png")
+    except ImportError as error:
+        log(f"no plot: {error}")

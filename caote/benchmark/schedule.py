@@ -1,0 +1,131 @@
+"""The run: every configuration at every context, round-robin per repeat, into one results document
+(``meta`` + ``samples`` + ``summary``), rewritten to results.json after every sample."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from caote.benchmark.config import BenchConfig, validate_config
+from caote.benchmark.document import write_documents
+from caote.benchmark.inputs import prompt_ids
+from caote.benchmark.memory import load_average, weight_bytes
+from caote.benchmark.sample import model_for, run_isolated, run_sample
+from caote.benchmark.stats import summarise
+
+
+def run_benchmark(config: BenchConfig, out_dir: str | Path | None = None, log=print) -> dict:
+    """Measure every configuration at every context (round-robin per repeat) and return the results document.
+
+    With ``out_dir`` the JSON is rewritten after every sample (a partial run is never lost) and the Markdown
+    summary (and the plot, when matplotlib is installed) are written at the end."""
+    validate_config(config)
+    threads = torch.get_num_threads()
+    try:
+        return _run(config, out_dir, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: BenchConfig, out_dir, log) -> dict:
+    torch.set_num_threads(config.threads)
+    model, tokenizer = model_for(config.model, config.seed)
+    ids, source = prompt_ids(tokenizer, max(config.contexts), config.text, model.config.vocab_size, config.seed)
+    configurations = config.configurations()
+    document = {
+        "meta": {
+            "model": config.model,
+            "model_type": model.config.model_type,
+            "layers": model.config.num_hidden_layers,
+            "query_heads": model.config.num_attention_heads,
+            "kv_heads": model.config.num_key_value_heads,
+            "head_dim": getattr(model.config, "head_dim", None)
+            or model.config.hidden_size // model.config.num_attention_heads,
+            "dtype": str(next(model.parameters()).dtype),
+            "weight_bytes": weight_bytes(model),
+            "prompt": source,
+            "config": dataclasses.asdict(config),
+            "configurations": configurations,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs visible, torch threads {config.threads}",
+            "memory_method": (
+                "VmHWM (peak resident set) read right after the prefill, "
+                + (
+                    "in a fresh process per sample"
+                    if config.isolate
+                    else "after malloc_trim(0) and a VmHWM reset (/proc/self/clear_refs = 5) per sample"
+                )
+                + "; baseline VmRSS after loading and a 16-token warm-up"
+            ),
+            "load_average_start": load_average(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "samples": [],
+    }
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    rounds = max(config.repeats_for(context) for context in config.contexts)
+    with tempfile.TemporaryDirectory(prefix="caote-bench-") as workdir:
+        ids_path = str(Path(workdir) / "ids.pt")
+        torch.save(ids, ids_path)
+        for repeat in range(rounds):
+            for context in config.contexts:
+                if repeat >= config.repeats_for(context):
+                    continue
+                shift = repeat % len(configurations)
+                for configuration in configurations[shift:] + configurations[:shift]:
+                    settings = {
+                        "model": config.model,
+                        "seed": config.seed,
+                        "threads": config.threads,
+                        "budget": config.budget,
+                        "block_size": config.block_size,
+                        "new_tokens": config.new_tokens,
+                        "decode": config.decodes(configuration),
+                        "decode_eviction_interval": config.decode_eviction_interval,
+                    }
+                    load = load_average()
+                    if config.isolate:
+                        sample = run_isolated(configuration, context, ids_path, settings, workdir)
+                    else:
+                        sample = run_sample(configuration, ids[:, :context], settings)
+                    sample.update(configuration=configuration, context=context, repeat=repeat, load_average=load)
+                    document["samples"].append(sample)
+                    log(_sample_line(sample))
+                    if out is not None:
+                        _write_json(document, out / "results.json")
+    document["meta"]["load_average_end"] = load_average()
+    document["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    document["summary"] = summarise(document)
+    if out is not None:
+        _write_json(document, out / "results.json")
+        write_documents(document, out, log)
+    return document
+
+
+def _sample_line(sample: dict) -> str:
+    line = (
+        f"[{sample['context']:>6} r{sample['repeat']}] {sample['configuration']:<18} "
+        f"prefill {sample['prefill_s']:7.2f} s  kv peak {sample['kv_peak_bytes'] / 2**20:8.1f} MiB  "
+        f"rss peak {sample['peak_rss_bytes'] / 2**20:7.0f} MiB"
+    )
+    if "decode_tokens_per_s" in sample:
+        line += f"  decode {sample['decode_tokens_per_s']:6.2f} tok/s"
+    return line + f"  load {sample['load_average'][:1]}"
+
+
+def _write_json(document: dict, path: Path) -> None:
+    staging = path.with_suffix(".json.tmp")
+    staging.write_text(json.dumps(document, indent=1))
+    staging.replace(path)

@@ -1,0 +1,142 @@
+"""The summary of a run: medians per configuration and context, ratios of samples taken in the same round, and
+a verdict per target."""
+
+from __future__ import annotations
+
+import statistics
+
+from caote.benchmark.config import BASELINE_POLICY, FULL_BLOCKS, FULL_SDPA
+
+# Target thresholds of issue 4 (ratios from the same run).
+TRANSFORM_OVERHEAD_LIMIT = 1.05
+SCORING_OVERHEAD_LIMIT = 1.15
+DECODE_SPEEDUP_TARGET = 1.5
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _paired_ratio(samples: list[dict], key: str, numerator: str, denominator: str, context: int):
+    """Median over repeats of ``numerator / denominator`` for samples taken in the same round."""
+    by = {(s["configuration"], s["repeat"]): s for s in samples if s["context"] == context and key in s}
+    ratios = [
+        by[(numerator, r)][key] / by[(denominator, r)][key]
+        for (name, r) in list(by)
+        if name == numerator and (denominator, r) in by and by[(denominator, r)][key]
+    ]
+    return _median(ratios)
+
+
+def summarise(document: dict) -> dict:
+    """Medians per configuration and context, the ratios the targets are stated in, and a verdict per target."""
+    samples = document["samples"]
+    config = document["meta"]["config"]
+    budget, block = config["budget"], config["block_size"]
+    configurations = document["meta"]["configurations"]
+    contexts = sorted({s["context"] for s in samples})
+    weights = document["meta"]["weight_bytes"]
+    medians: dict[str, dict[str, dict]] = {}
+    for name in configurations:
+        for context in contexts:
+            rows = [s for s in samples if s["configuration"] == name and s["context"] == context]
+            if not rows:
+                continue
+            entry = {"samples": len(rows)}
+            for key in (
+                "prefill_s",
+                "kv_peak_bytes",
+                "peak_rss_bytes",
+                "baseline_rss_bytes",
+                "prefill_rss_bytes",
+                "decode_tokens_per_s",
+                "decode_kv_bytes_per_token",
+            ):
+                entry[key] = _median([s.get(key) for s in rows])
+            medians.setdefault(name, {})[str(context)] = entry
+
+    targets: list[dict] = []
+    ratios: dict[str, dict] = {}
+    policies = [name for name in configurations if name not in (FULL_SDPA, FULL_BLOCKS)]
+    for context in contexts:
+        at = str(context)
+        full = medians.get(FULL_BLOCKS, {}).get(at) or medians.get(FULL_SDPA, {}).get(at)
+        row: dict[str, dict] = {}
+        for name in policies:
+            if at not in medians.get(name, {}):
+                continue
+            entry = {}
+            if full and full["kv_peak_bytes"]:
+                entry["kv_peak_vs_full"] = medians[name][at]["kv_peak_bytes"] / full["kv_peak_bytes"]
+                entry["kv_peak_bound"] = (budget + block) / context
+                targets.append(
+                    _target(f"KV peak {name} @ {context}", entry["kv_peak_vs_full"], "<=", entry["kv_peak_bound"])
+                )
+            if name != BASELINE_POLICY and BASELINE_POLICY in medians:
+                entry["time_vs_streamingllm"] = _paired_ratio(samples, "prefill_s", name, BASELINE_POLICY, context)
+                targets.append(
+                    _target(
+                        f"{name} / streamingllm time @ {context}",
+                        entry["time_vs_streamingllm"],
+                        "<=",
+                        SCORING_OVERHEAD_LIMIT,
+                    )
+                )
+            base, _, transform = name.partition("+")
+            if transform and base in medians:
+                entry["time_vs_base"] = _paired_ratio(samples, "prefill_s", name, base, context)
+                targets.append(
+                    _target(f"{name} / {base} time @ {context}", entry["time_vs_base"], "<=", TRANSFORM_OVERHEAD_LIMIT)
+                )
+            if FULL_SDPA in medians:
+                entry["prefill_vs_full_sdpa"] = _paired_ratio(samples, "prefill_s", name, FULL_SDPA, context)
+            decode = medians[name][at].get("decode_tokens_per_s")
+            full_decode = medians.get(FULL_SDPA, {}).get(at, {}).get("decode_tokens_per_s")
+            if decode and full_decode:
+                entry["decode_speedup"] = _paired_ratio(samples, "decode_tokens_per_s", name, FULL_SDPA, context)
+                full_read = medians[FULL_SDPA][at]["decode_kv_bytes_per_token"]
+                own_read = medians[name][at]["decode_kv_bytes_per_token"]
+                entry["decode_speedup_bound"] = (weights + full_read) / (weights + own_read)
+            row[name] = entry
+        ratios[at] = row
+    if contexts:
+        largest = str(contexts[-1])
+        for name in policies:
+            entry = ratios[largest].get(name, {})
+            if entry.get("prefill_vs_full_sdpa") is not None:
+                targets.append(
+                    _target(f"prefill {name} vs full-sdpa @ {largest}", entry["prefill_vs_full_sdpa"], "<", 1.0)
+                )
+            if entry.get("decode_speedup") is not None:
+                targets.append(
+                    _target(
+                        f"decode speed-up {name} @ {largest}",
+                        entry["decode_speedup"],
+                        ">=",
+                        DECODE_SPEEDUP_TARGET,
+                        bound=entry["decode_speedup_bound"],
+                    )
+                )
+    return {
+        "medians": medians,
+        "ratios": ratios,
+        "targets": targets,
+        "targets_met": sum(t["met"] for t in targets),
+        "targets_total": len(targets),
+    }
+
+
+def _target(name: str, value, relation: str, limit: float, bound: float | None = None) -> dict:
+    if value is None:
+        met = False
+    elif relation == "<=":
+        met = value <= limit
+    elif relation == "<":
+        met = value < limit
+    else:
+        met = value >= limit
+    target = {"target": name, "value": value, "relation": relation, "limit": limit, "met": bool(met)}
+    if bound is not None:
+        target["memory_traffic_bound"] = bound
+    return target

@@ -1,0 +1,161 @@
+"""docs/results.md, written from the summaries of a report grid: every task-specific line comes from the task
+registry (Setup lines, headline columns, section titles)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from caote.evaluation.grids import Grid
+from caote.evaluation.reference import FULL
+from caote.evaluation.registry import TASKS
+from caote.evaluation.stats import Estimate
+from caote.evaluation.summary import INTERVAL_NOTE, render_pieces
+from caote.evaluation.tables import policy_order
+
+
+def headline_columns(summaries: dict) -> list[tuple[str, str, str, int]]:
+    """``(task, metric, column label, digits)`` of every headline metric of the summarised tasks, registry order."""
+    return [
+        (task.name, metric.name, metric.headline, metric.digits)
+        for task in TASKS.values()
+        if task.name in summaries
+        for metric in task.metrics
+        if metric.headline
+    ]
+
+
+def headline_table(summaries: dict) -> str:
+    """One row per policy x budget (the full cache first) with the mean [95 % CI] of every headline metric of the
+    summarised tasks, in registry order."""
+    columns = headline_columns(summaries)
+    cells = {}
+    for benchmark, field, _, _ in columns:
+        for r in summaries.get(benchmark, {}).get("records", []):
+            if r["metric"] == field and r["task"] == "all":
+                cells[(benchmark, field, r["policy"], r["budget"])] = Estimate(
+                    r["mean"], r["ci_low"], r["ci_high"], r["n"], r["ci_method"]
+                )
+    order = policy_order([policy for (_, _, policy, _) in cells])
+    settings = sorted(
+        {(policy, budget) for (_, _, policy, budget) in cells},
+        key=lambda pb: (order.index(pb[0]), -1 if pb[1] == "" else pb[1]),
+    )
+    lines = [
+        "| policy | budget | " + " | ".join(label for _, _, label, _ in columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for policy, budget in settings:
+        values = [
+            cells[(b, f, policy, budget)].cell(d) if (b, f, policy, budget) in cells else "–" for b, f, _, d in columns
+        ]
+        name = "**full (reference)**" if policy == FULL else policy
+        lines.append(f"| {name} | {budget if budget != '' else 'all'} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def setup_lines(configs: dict, rows: dict) -> list[str]:
+    """One Setup line per task of the grid that can describe itself, in registry order."""
+    return [
+        f"- {task.describe(configs[task.name], rows.get(task.name, []))}"
+        for task in TASKS.values()
+        if task.name in configs and task.describe is not None
+    ]
+
+
+def verdict_lines(summaries: dict) -> list[str]:
+    """Plain-language lines: for every benchmark metric, which CAOTE comparisons helped or hurt."""
+    lines = []
+    for name, pieces in summaries.items():
+        records = pieces["comparison_records"]
+        for metric in dict.fromkeys(r["metric"] for r in records):
+            chosen = [r for r in records if r["metric"] == metric]
+            helps = [
+                f"{r['base']}+{r['transform']} b={r['budget']} ({r['delta']:+.3g})"
+                for r in chosen
+                if r["verdict"] == "helps"
+            ]
+            hurts = [
+                f"{r['base']}+{r['transform']} b={r['budget']} ({r['delta']:+.3g})"
+                for r in chosen
+                if r["verdict"] == "hurts"
+            ]
+            unclear = sum(r["verdict"] not in ("helps", "hurts") for r in chosen)
+            lines.append(
+                f"- **{name} / {metric}**: CI excludes zero in favour of the variant in {len(helps)} of "
+                f"{len(chosen)} comparisons"
+                + (f": {', '.join(helps)}" if helps else "")
+                + f"; against it in {len(hurts)}"
+                + (f": {', '.join(hurts)}" if hurts else "")
+                + f"; {unclear} inconclusive."
+            )
+    return lines
+
+
+def write_results_md(
+    path: Path, grid: Grid, config, configs: dict, summaries: dict, rows: dict, seconds: dict, planned: dict
+) -> None:
+    """docs/results.md: provenance, setup (one line per task), the headline table, the verdicts, the conclusions
+    kept in ``results/<grid>_conclusions.md``, then one section per task in grid order."""
+    command = "caote eval report --quick" if grid.name == "quick" else "caote eval report"
+    counts = {name: len(value) for name, value in rows.items()}
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=path.parent, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
+    except OSError:
+        commit = "unknown"
+    missing = {name: planned[name] - counts.get(name, 0) for name in planned if counts.get(name, 0) < planned[name]}
+    lines = [
+        "# Results: what eviction costs on the bundled SmolLM2-135M-Instruct",
+        "",
+        f"Regenerate with `{command}` (grid `{grid.name}`, model `{config.model}`, essay split `{config.split}`, "
+        f"seed {config.seed}, code at commit `{commit}`). Wall time summed over rows (over all processes): "
+        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
+        + ". "
+        "Rows are kept under `docs/results/runs/` and a rerun resumes from them (delete the folder to recompute).",
+        "",
+        (
+            "**Incomplete run:** "
+            + ", ".join(f"{name} is missing {count} of {planned[name]} rows" for name, count in missing.items())
+            + "; the tables show the rows that exist."
+        )
+        if missing
+        else f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())}).",
+        "",
+        "## Setup",
+        "",
+        f"- Policies: {', '.join(policy_order(config.policies))}; budgets {', '.join(map(str, grid.budgets))} tokens "
+        "per layer and KV head; prompts consumed in blocks of 128 with eviction after every block, greedy decoding.",
+        *setup_lines(configs, rows),
+        f"- {INTERVAL_NOTE}",
+        "",
+        "## Headline: every policy × budget (mean [95 % CI]; full cache first)",
+        "",
+        "NIAH and RULER: higher is better (one or two examples per cell in the quick grid: the intervals are wide). "
+        "PPL − full, KL (nats per token, from the full cache's next-token distribution) and attention-output error "
+        "(‖O − O_full‖/‖O_full‖, mean over layers): lower is better, over the essay texts.",
+        "",
+        headline_table(summaries),
+        "",
+        "## Where CAOTE helps and where it does not",
+        "",
+        "A comparison counts only when the 95 % paired interval of (variant − plain base) excludes zero.",
+        "",
+        *verdict_lines(summaries),
+        "",
+        "CONCLUSIONS_PLACEHOLDER",
+        "",
+    ]
+    for name, pieces in summaries.items():
+        lines += [f"## {TASKS[name].title}", "", render_pieces(name, pieces, relative_to=path.parent), ""]
+    text = "\n".join(lines)
+    conclusions = path.parent / "results" / f"{grid.name}_conclusions.md"
+    text = text.replace(
+        "CONCLUSIONS_PLACEHOLDER", conclusions.read_text(encoding="utf-8").strip() if conclusions.is_file() else ""
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")

@@ -1,0 +1,168 @@
+"""Plots of rows and summary records (matplotlib, written as PNG): metric versus budget for every metric, plus the
+task-specific `FIGURES` a `caote.evaluation.tasks.Task` names."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from caote.evaluation.reference import FULL
+from caote.evaluation.tables import policy_order
+
+
+def _pyplot():
+    # optional dependency (the eval extra), and slow to import: loaded only when a plot is drawn
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_niah_heatmaps(rows: list[dict], path: Path, budget: int) -> Path | None:
+    """CAOTE-paper Fig. 2 style: one panel per policy, context length (x) x needle depth (y), mean accuracy."""
+    chosen = [r for r in rows if r["budget"] in (budget, None) and "depth" in r.get("meta", {})]
+    if not chosen:
+        return None
+    policies = policy_order({r["policy"] for r in chosen})
+    lengths = sorted({r["meta"]["context_length"] for r in chosen})
+    depths = sorted({r["meta"]["depth"] for r in chosen})
+    plt = _pyplot()
+    columns = min(4, len(policies))
+    rows_count = math.ceil(len(policies) / columns)
+    figure, axes = plt.subplots(rows_count, columns, figsize=(3.2 * columns, 3.0 * rows_count), squeeze=False)
+    figure.subplots_adjust(hspace=0.55, wspace=0.35)
+    image = None
+    for index, policy in enumerate(policies):
+        axis = axes[index // columns][index % columns]
+        grid = [[math.nan] * len(lengths) for _ in depths]
+        for i, depth in enumerate(depths):
+            for j, length in enumerate(lengths):
+                scores = [
+                    r["score"]
+                    for r in chosen
+                    if r["policy"] == policy and r["meta"]["depth"] == depth and r["meta"]["context_length"] == length
+                ]
+                if scores:
+                    grid[i][j] = sum(scores) / len(scores)
+        image = axis.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="upper")
+        axis.set_title(policy if policy == FULL else f"{policy} (b={budget})", fontsize=9)
+        axis.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=7)
+        axis.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths], fontsize=7)
+        axis.set_xlabel("context tokens", fontsize=7)
+        axis.set_ylabel("depth", fontsize=7)
+    for index in range(len(policies), rows_count * columns):
+        axes[index // columns][index % columns].axis("off")
+    if image is not None:
+        figure.colorbar(image, ax=axes, shrink=0.6, label="accuracy")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: str) -> Path | None:
+    """One line per policy (mean with its 95 % interval as error bars); the full cache as a dashed line."""
+    budgets = sorted({r["budget"] for r in records if r["budget"] != ""})
+    if not budgets:
+        return None
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7.5, 4.5))
+    styles = {"": "-", "+caote": "--", "+fastcaote": ":"}
+    colours = {"streamingllm": "tab:gray", "h2o": "tab:blue", "tova": "tab:orange", "snapkv": "tab:green"}
+    for policy in policy_order({r["policy"] for r in records}):
+        chosen = sorted((r for r in records if r["policy"] == policy and r["budget"] != ""), key=lambda r: r["budget"])
+        if policy == FULL:
+            full = [r for r in records if r["policy"] == FULL]
+            if full:
+                axis.axhline(full[0]["mean"], color="black", linestyle="--", linewidth=1, label="full cache")
+            continue
+        if not chosen:
+            continue
+        base, plus, transform = policy.partition("+")
+        x = [r["budget"] for r in chosen]
+        y = [r["mean"] for r in chosen]
+        error = [
+            [max(0.0, r["mean"] - r["ci_low"]) for r in chosen],
+            [max(0.0, r["ci_high"] - r["mean"]) for r in chosen],
+        ]
+        axis.errorbar(
+            x,
+            y,
+            yerr=error,
+            label=policy,
+            color=colours.get(base),
+            capsize=2,
+            marker="o",
+            markersize=3,
+            linestyle=styles.get(plus + transform, "-"),
+            linewidth=1.2,
+            alpha=0.85,
+        )
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(budgets, [str(b) for b in budgets])
+    axis.set_xlabel("KV budget (tokens per layer)")
+    axis.set_ylabel(ylabel)
+    axis.set_title(title, fontsize=10)
+    return _save_with_legend(plt, figure, axis, path)
+
+
+def _save_with_legend(plt, figure, axis, path: Path) -> Path:
+    """Legend and grid on ``axis``, then write ``figure`` to ``path`` (creating its folder) and free it."""
+    axis.legend(fontsize=7, ncol=2)
+    axis.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | None:
+    """Relative attention-output error per layer at one budget, averaged over texts, one line per policy."""
+    chosen = [r for r in rows if r.get("budget") == budget and r.get("fidelity_layers")]
+    if not chosen:
+        return None
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7.5, 4))
+    for policy in policy_order({r["policy"] for r in chosen}):
+        layers = [r["fidelity_layers"] for r in chosen if r["policy"] == policy]
+        mean = [sum(values) / len(values) for values in zip(*layers)]
+        base, plus, transform = policy.partition("+")
+        axis.plot(
+            range(len(mean)),
+            mean,
+            label=policy,
+            linestyle={"": "-", "+caote": "--", "+fastcaote": ":"}[plus + transform],
+        )
+    axis.set_xlabel("layer")
+    axis.set_ylabel("||O_policy − O_full|| / ||O_full||")
+    axis.set_title(f"Attention-output relative error per layer, b={budget}", fontsize=10)
+    return _save_with_legend(plt, figure, axis, path)
+
+
+def _budgets(rows: list[dict]) -> list[int]:
+    return sorted({row["budget"] for row in rows if row.get("budget") is not None})
+
+
+def niah_heatmaps(rows: list[dict], out: Path, prefix: str = "") -> list[tuple[str, Path]]:
+    """`plot_niah_heatmaps` at every budget: ``(caption, path)`` pairs."""
+    figures = []
+    for budget in _budgets(rows):
+        path = plot_niah_heatmaps(rows, out / f"{prefix}niah_heatmap_b{budget}.png", budget)
+        if path:
+            figures.append((f"NIAH accuracy, context length × depth, b={budget}", path))
+    return figures
+
+
+def fidelity_layers(rows: list[dict], out: Path, prefix: str = "") -> list[tuple[str, Path]]:
+    """`plot_fidelity_layers` at the smallest budget: ``(caption, path)`` pairs."""
+    budgets = _budgets(rows)
+    if not budgets:
+        return []
+    path = plot_fidelity_layers(rows, out / f"{prefix}fidelity_layers_b{budgets[0]}.png", budgets[0])
+    return [(f"attention-output error per layer, b={budgets[0]}", path)] if path else []
+
+
+# extra figures a task can ask for by name (`Task.figures`): (rows, out folder, file prefix) -> [(caption, path)]
+FIGURES = {"niah_heatmaps": niah_heatmaps, "fidelity_layers": fidelity_layers}

@@ -1,0 +1,76 @@
+"""One task's summary from its rows: tables, paired comparisons, CSV and plots, as the task's spec asks.
+
+`summarise_rows` produces the pieces (written under an output folder) and `render_pieces` their Markdown;
+`summarise_benchmark` writes ``<out>/summary.md`` after a ``caote eval BENCHMARK`` run. Reads rows only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from caote.evaluation.plots import FIGURES, plot_metric_vs_budget
+from caote.evaluation.registry import TASKS
+from caote.evaluation.rows import load_rows
+from caote.evaluation.tables import comparison_records, comparison_table, markdown_table, summary_records, write_csv
+
+INTERVAL_NOTE = (
+    "Intervals are 95 %: Wilson for means of hit-or-miss scores (NIAH), percentile bootstrap (2,000 "
+    "resamples) over examples otherwise (RULER; PPL/KL/fidelity over texts); CAOTE-vs-plain "
+    "differences use a paired bootstrap over the same examples (over text blocks for PPL/KL/fidelity)."
+)
+
+
+def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str = "") -> dict:
+    """Tables, CSV and plots of one task's rows under ``out``; returns the pieces for the docs writer."""
+    task = TASKS[benchmark]
+    pieces = {"tables": [], "comparisons": [], "plots": [], "records": [], "comparison_records": []}
+    subtasks = sorted({r.get("task") for r in rows if r.get("task")})
+    for metric in task.metrics:
+        records = summary_records(rows, metric, benchmark)
+        if not records:
+            continue
+        comparisons = comparison_records(rows, metric, benchmark)
+        pieces["records"] += records
+        pieces["comparison_records"] += comparisons
+        pieces["tables"].append((metric.label, markdown_table(records, metric.digits)))
+        pieces["comparisons"].append((metric.label, comparison_table(comparisons, metric.digits + 1)))
+        name = f"{plot_prefix}{benchmark}_{metric.name}_vs_budget.png"
+        plot = plot_metric_vs_budget(records, out / name, metric.label, f"{benchmark}: {metric.label} (95 % CI)")
+        if plot:
+            pieces["plots"].append((f"{benchmark}: {metric.label} vs budget", plot))
+        if len(subtasks) > 1 and task.subtasks:
+            for subtask in subtasks:
+                subtask_records = summary_records(rows, metric, benchmark, subtask)
+                pieces["records"] += subtask_records
+                pieces["tables"].append((f"{metric.label} — {subtask}", markdown_table(subtask_records, metric.digits)))
+    for figure in task.figures:
+        pieces["plots"] += FIGURES[figure](rows, out, plot_prefix)
+    write_csv(out / f"{plot_prefix}{benchmark}_summary.csv", pieces["records"])
+    write_csv(out / f"{plot_prefix}{benchmark}_caote_vs_plain.csv", pieces["comparison_records"])
+    return pieces
+
+
+def render_pieces(benchmark: str, pieces: dict, relative_to: Path | None = None) -> str:
+    lines = []
+    for label, table in pieces["tables"]:
+        lines += [f"**{benchmark} — {label}** (mean [95 % CI])", "", table, ""]
+    for label, table in pieces["comparisons"]:
+        lines += [f"**{benchmark} — {label}: variant − plain base, paired per example**", "", table, ""]
+    for caption, path in pieces["plots"]:
+        link = Path(path).relative_to(relative_to) if relative_to else Path(Path(path).name)
+        lines += [f"![{caption}]({link.as_posix()})", ""]
+    return "\n".join(lines)
+
+
+def summarise_benchmark(config) -> Path:
+    """``<out>/summary.md`` (+ CSV and PNGs) from every shard under ``config.out``; returns the Markdown path."""
+    rows = load_rows(config.out)
+    pieces = summarise_rows(rows, config.benchmark, Path(config.out))
+    path = Path(config.out) / "summary.md"
+    text = (
+        f"# {config.benchmark} — {config.model}\n\n{len(rows)} rows from {Path(config.out)}. "
+        f"{INTERVAL_NOTE}\n\n" + render_pieces(config.benchmark, pieces)
+    )
+    path.write_text(text, encoding="utf-8")
+    print(text)
+    return path
