@@ -13,7 +13,7 @@ so any number of caches can share one model). From every forward we read the nex
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
@@ -65,60 +65,72 @@ def lockstep(
         raise ValueError("input_ids must have shape (1, T) with T >= 2")
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    layers = len(model.model.layers)
-    reference = EvictionCache(model, budget=cache_budget(None), policy=FULL, block_size=block_size)
-    tracks = [
-        _Track(
-            policy,
-            budget,
-            EvictionCache(model, budget=cache_budget(budget), policy=policy, block_size=block_size),
-            FidelityMeter(layers) if fidelity else None,
+    with ExitStack() as stack:  # every cache's hooks (and the capture's) come off the model on the way out
+        reference = stack.enter_context(
+            EvictionCache(model, budget=cache_budget(None), policy=FULL, block_size=block_size)
         )
-        for policy, budget in runs
-    ]
+        caches = [
+            stack.enter_context(EvictionCache(model, budget=cache_budget(budget), policy=policy, block_size=block_size))
+            for policy, budget in runs
+        ]
+        capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
+        tracks = [
+            _Track(policy, budget, cache, FidelityMeter(len(capture.modules)) if capture is not None else None)
+            for (policy, budget), cache in zip(runs, caches)
+        ]
+        with torch.no_grad():
+            full_nll = _run_blocks(model, input_ids, reference, tracks, capture, block_size, progress)
+    return _results(tracks, full_nll, input_ids.shape[1])
+
+
+def _run_blocks(model, input_ids, reference, tracks, capture, block_size, progress) -> float:
+    """Feed ``input_ids`` block by block to the full cache and every track; returns the full cache's total NLL."""
     full_nll, full_last = 0.0, None
     total = input_ids.shape[1]
-    capture = AttentionCapture(model) if fidelity else None
-    with torch.no_grad(), capture if capture is not None else nullcontext():
-        for start in range(0, total, block_size):
-            block = input_ids[:, start : start + block_size]
-            # predictions of this step: the previous block's last row predicts token `start`, row i predicts i+1
-            targets = input_ids[0, max(start, 1) : start + block.shape[1]].view(-1, 1)
-            full_lp = _forward(model, block, reference, start)
-            full_outputs = capture.take() if capture is not None else None
-            full_pred = _predictions(full_last, full_lp)
-            full_nll -= full_pred.gather(1, targets).sum().item()
-            for track in tracks:
-                began = time.perf_counter()
-                lp = _forward(model, block, track.cache, start)
-                track.seconds += time.perf_counter() - began
-                if capture is not None:
-                    outputs = capture.take()
-                    if measured(start, track.budget):
-                        track.meter.add(outputs, full_outputs)
-                pred = _predictions(track.last, lp)
-                nll = -pred.gather(1, targets).sum().item()
-                track.nll += nll
-                kl = (full_pred.exp() * (full_pred - pred)).sum(-1)
-                track.kl += kl.sum().item()
-                track.predictions += kl.shape[0]
-                # which predictions came from a forward over an evicted cache
-                flags = torch.full((kl.shape[0],), measured(start, track.budget) and track.budget is not None)
-                if track.last is not None:
-                    flags[0] = track.last_evicted
-                track.kl_evicted += kl[flags].sum().item()
-                track.evicted_predictions += int(flags.sum())
-                # per-block series (paired units of the summaries): blocks predicted from an evicted cache only
-                if kl.shape[0] and (track.budget is None or bool(flags.any())):
-                    track.block_nll.append(nll / kl.shape[0])
-                    track.block_kl.append(kl.mean().item())
-                track.last, track.last_evicted = (
-                    lp[-1],
-                    bool(measured(start, track.budget) and track.budget is not None),
-                )
-            full_last = full_lp[-1]
-            if progress is not None:
-                progress.update(1)
+    for start in range(0, total, block_size):
+        block = input_ids[:, start : start + block_size]
+        # predictions of this step: the previous block's last row predicts token `start`, row i predicts i+1
+        targets = input_ids[0, max(start, 1) : start + block.shape[1]].view(-1, 1)
+        full_lp = _forward(model, block, reference, start)
+        full_outputs = capture.take() if capture is not None else None
+        full_pred = _predictions(full_last, full_lp)
+        full_nll -= full_pred.gather(1, targets).sum().item()
+        for track in tracks:
+            began = time.perf_counter()
+            lp = _forward(model, block, track.cache, start)
+            track.seconds += time.perf_counter() - began
+            if capture is not None:
+                outputs = capture.take()
+                if measured(start, track.budget):
+                    track.meter.add(outputs, full_outputs)
+            pred = _predictions(track.last, lp)
+            nll = -pred.gather(1, targets).sum().item()
+            track.nll += nll
+            kl = (full_pred.exp() * (full_pred - pred)).sum(-1)
+            track.kl += kl.sum().item()
+            track.predictions += kl.shape[0]
+            # which predictions came from a forward over an evicted cache
+            flags = torch.full((kl.shape[0],), measured(start, track.budget) and track.budget is not None)
+            if track.last is not None:
+                flags[0] = track.last_evicted
+            track.kl_evicted += kl[flags].sum().item()
+            track.evicted_predictions += int(flags.sum())
+            # per-block series (paired units of the summaries): blocks predicted from an evicted cache only
+            if kl.shape[0] and (track.budget is None or bool(flags.any())):
+                track.block_nll.append(nll / kl.shape[0])
+                track.block_kl.append(kl.mean().item())
+            track.last, track.last_evicted = (
+                lp[-1],
+                bool(measured(start, track.budget) and track.budget is not None),
+            )
+        full_last = full_lp[-1]
+        if progress is not None:
+            progress.update(1)
+    return full_nll
+
+
+def _results(tracks: list[_Track], full_nll: float, total: int) -> list[dict]:
+    """One result per track (PPL, KL, fidelity, per-block series), next to the full cache's PPL."""
     predictions = total - 1
     ppl_full = float(torch.tensor(full_nll / predictions).exp())
     results = []
