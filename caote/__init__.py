@@ -11,6 +11,7 @@ is registered when ``transformers.pipelines`` is first imported (see `caote._reg
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from caote._registration import install as _install_pipeline_registration
 
@@ -37,11 +38,13 @@ __all__ = sorted(_LAZY)
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'caote' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"caote.{name}") is not None:
+        return importlib.import_module(f"caote.{name}")  # a submodule, e.g. caote.models after `import caote`
+    raise AttributeError(f"module 'caote' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -46,5 +46,6 @@ def test_public_names_resolve_on_first_use():
     assert set(caote.__all__) <= set(dir(caote))
     for name in caote.__all__:
         assert getattr(caote, name) is not None
+    assert caote.models.load_model is not None  # submodules too, without importing them first
     with pytest.raises(AttributeError, match="no_such_name"):
         getattr(caote, "no_such_name")
