@@ -39,6 +39,7 @@ class _RegisteringLoader:
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
+        uninstall()
         try:
             register_now()
         except Exception as error:  # never break the user's import of transformers.pipelines
@@ -50,13 +51,15 @@ class _RegisteringLoader:
 
 class PipelineRegistrationFinder:
     """A one-shot `sys.meta_path` finder: finds ``transformers.pipelines`` with the other finders and wraps its
-    loader so that the caote pipeline is registered once the module has run; then removes itself."""
+    loader so that the caote pipeline is registered once the module has run, and the finder removed (a bare
+    ``importlib.util.find_spec`` that loads nothing leaves it in place)."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != TARGET:
             return None
-        uninstall()
-        for finder in sys.meta_path:
+        for finder in list(sys.meta_path):
+            if isinstance(finder, PipelineRegistrationFinder):
+                continue
             find_spec = getattr(finder, "find_spec", None)
             if find_spec is None:
                 continue
