@@ -49,3 +49,18 @@ def int_tuple(text: str) -> tuple[int, ...]:
         return tuple(parse_int_list(text))
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers: {error}") from None
+
+
+def memory_limits(text: str) -> dict:
+    """argparse type: ``"cpu=200MiB,0=6GiB"`` -> ``{"cpu": "200MiB", 0: "6GiB"}`` (accelerate's ``max_memory``;
+    a number names a GPU)."""
+    limits: dict = {}
+    for item in (part.strip() for part in str(text).split(",") if part.strip()):
+        device, sep, size = item.partition("=")
+        device, size = device.strip(), size.strip()
+        if not sep or not device or not size or not size[0].isdigit():
+            raise argparse.ArgumentTypeError(f"expected DEVICE=SIZE items such as 'cpu=200MiB', got {item!r}")
+        limits[int(device) if device.isdigit() else device] = size
+    if not limits:
+        raise argparse.ArgumentTypeError(f"no DEVICE=SIZE item in {text!r}")
+    return limits

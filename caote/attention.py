@@ -1,41 +1,184 @@
-"""Reading attention probabilities out of a Hugging Face model without changing its attention kernel.
+"""Reading attention out of any Hugging Face decoder through transformers' public `AttentionInterface`.
 
-The model keeps its own attention implementation (sdpa or eager). Hooks on each attention module keep the output
-of its query projection and, after the module ran, finish the queries the scores need (QK-norm where the model has
-one, RoPE) and take their float32 softmax against the cached keys.
+Every modern decoder family computes its final queries (QK-norm, RoPE, its own scaling) and then calls
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)``. For the length of
+each forward given an `EvictionCache`, the model runs under the implementation ``caote_sdpa`` or ``caote_eager``,
+registered here (with the matching mask functions): the model's own kernel (sdpa, or the family's eager function)
+computes the attention output unchanged, then the cache receives the call's queries, keys, values and mask and
+evicts. The probabilities the scores need are the family's own eager attention applied to just the needed query
+rows, in float32, so soft-capping, scaling and query norms are the family's own: there is no per-family code.
+
+The channel from a forward to its cache is `ActiveForward`, held in a context variable for that forward only; the
+implementation the model had is restored when the forward ends (also when it raises).
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import rotate_half
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# Backends whose 4D mask the cache reads for padding; the probabilities are recomputed in float32 for both.
+from caote.families import SUPPORTED_MODEL_TYPES
+
+# Backends the cache wraps; other implementations (flash, flex, paged) hand masks the cache cannot read exactly.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+WRAPPED = {f"caote_{name}": name for name in SUPPORTED_ATTENTION}
+
+
+@dataclass(frozen=True)
+class ActiveForward:
+    """The forward running now under an `EvictionCache`: where the attention calls of its layers report."""
+
+    cache: Any  # the EvictionCache
+    implementation: str  # "sdpa" or "eager": the kernel the model had
+
+
+_ACTIVE: ContextVar[ActiveForward | None] = ContextVar("caote_active_forward", default=None)
+
+
+def active_forward() -> ActiveForward | None:
+    """The `ActiveForward` of the forward running now in this thread, if it was given an `EvictionCache`."""
+    return _ACTIVE.get()
+
+
+def family_eager_attention(module: nn.Module) -> Callable:
+    """The ``eager_attention_forward`` of the module's own modeling file (soft-capping, sinks and all)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"{type(module).__name__} has no eager_attention_forward in its modeling file")
+    return eager
+
+
+def caote_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """The registered attention function: the model's own kernel, then the cache scores and evicts this layer."""
+    active = _ACTIVE.get()
+    if active is None:
+        raise RuntimeError("caote attention ran outside a forward given an EvictionCache")
+    kernel = family_eager_attention(module) if active.implementation == "eager" else ALL_ATTENTION_FUNCTIONS["sdpa"]
+    output = kernel(module, query, key, value, attention_mask, **kwargs)
+    active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
+    return output
+
+
+for _name in WRAPPED:
+    AttentionInterface.register(_name, caote_attention)
+AttentionMaskInterface.register("caote_sdpa", sdpa_mask)
+AttentionMaskInterface.register("caote_eager", eager_mask)
+
+
+def attention_probabilities(
+    module: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, kwargs: dict
+) -> torch.Tensor:
+    """Softmax probabilities ``(B, H_q, R, N)`` in float32 of the ``R`` newest queries ``(B, H_q, R, d)`` over
+    ``keys`` ``(B, H_kv, N, d)``, computed by the family's eager attention with the call's own arguments.
+
+    ``mask`` is the call's 4D mask (bool for sdpa, additive for eager) or None (sdpa's causal fast path); the rows
+    of padding queries come out uniform and are zeroed by the caller."""
+    rows, tokens = queries.shape[-2], keys.shape[-2]
+    floor = torch.finfo(torch.float32).min
+    if mask is None:
+        additive = torch.zeros(rows, tokens, device=queries.device)
+        future = torch.ones(rows, rows, dtype=torch.bool, device=queries.device).triu_(1)
+        additive[:, tokens - rows :].masked_fill_(future, floor)
+        additive = additive[None, None]
+    else:
+        mask = mask[..., -rows:, :tokens]
+        additive = (
+            torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, floor)
+            if mask.dtype == torch.bool
+            else mask.float()
+        )
+    call = {**kwargs, "dropout": 0.0}
+    _, probabilities = family_eager_attention(module)(
+        module, queries.float(), keys.float(), values.float(), additive, **call
+    )
+    return probabilities
+
+
+class ForwardSwitch:
+    """Hooks on a model's decoder that, for each forward given ``cache``, switch the model to the caote attention
+    implementation and open the `ActiveForward` channel; the implementation the model had and the channel are
+    restored when the forward ends, also when it raises. Forwards given any other cache pass untouched.
+
+    The hooks hold the cache weakly and are removed by `remove`, or when the cache is garbage-collected."""
+
+    def __init__(self, model: nn.Module, cache):
+        self._model = model
+        self._cache = weakref.ref(cache)
+        self._restore: list[tuple[str, Any]] = []
+        decoder = model.get_decoder()
+        handles = [
+            decoder.register_forward_pre_hook(self._enter, with_kwargs=True),
+            decoder.register_forward_hook(self._exit, with_kwargs=True, always_call=True),
+        ]
+        self._finalizer = weakref.finalize(cache, ForwardSwitch._remove_handles, handles)
+
+    @property
+    def installed(self) -> bool:
+        return self._finalizer.alive
+
+    def remove(self) -> None:
+        """Take the hooks off the model (idempotent)."""
+        self._finalizer()
+
+    @staticmethod
+    def _remove_handles(handles) -> None:
+        for handle in handles:
+            handle.remove()
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or cache is not self._cache():
+            return
+        implementation = self._model.config._attn_implementation
+        check_attention_implementation(self._model)
+        token = _ACTIVE.set(ActiveForward(cache, implementation))
+        self._restore.append((implementation, token))
+        self._model.set_attn_implementation(f"caote_{implementation}")
+
+    def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not self._restore or cache is None or cache is not self._cache():
+            return
+        implementation, token = self._restore.pop()
+        self._model.set_attn_implementation(implementation)
+        _ACTIVE.reset(token)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention module of every decoder layer; a clear error for unsupported architectures."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
+    """The self-attention module of every decoder layer; one-line errors for an unsupported family or backend."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"model type {model_type!r} ({type(model).__name__}) is not supported; "
-            f"caote supports {', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Mistral, Qwen2, Qwen3 classes)"
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
-        raise ValueError(
-            f"{type(model).__name__} has non-full attention layers ({sorted(set(layer_types))}); "
-            "caote evicts only in models whose every layer is full attention"
+            f"model type {model_type!r} ({type(model).__name__}) is not supported; caote supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     check_attention_implementation(model)
-    decoder = model.model if hasattr(model, "model") and hasattr(model.model, "layers") else model
-    return [layer.self_attn for layer in decoder.layers]
+    return [layer.self_attn for layer in model.get_decoder().layers]
+
+
+def sliding_windows(model: nn.Module) -> list[int | None]:
+    """Per decoder layer: its sliding window, or None for full attention (from ``config.layer_types``; a model
+    without them slides in every layer when ``config.sliding_window`` is set, as Mistral does)."""
+    config = model.config
+    count = len(model.get_decoder().layers)
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * count
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(
+            f"{type(model).__name__} has {', '.join(unknown)} layers; caote evicts in full-attention layers and "
+            "leaves sliding-window layers to their window, and supports no other kind"
+        )
+    return [window if kind == "sliding_attention" else None for kind in kinds]
 
 
 def check_attention_implementation(model: nn.Module) -> None:
@@ -47,108 +190,3 @@ def check_attention_implementation(model: nn.Module) -> None:
             f"attention implementation {implementation!r} is not supported by caote; load the model with "
             f"attn_implementation={' or '.join(repr(name) for name in SUPPORTED_ATTENTION)}"
         )
-
-
-def sliding_window(model: nn.Module) -> int | None:
-    """The window of a model whose every layer slides (Mistral with ``sliding_window`` set), else None."""
-    config = model.config
-    window = getattr(config, "sliding_window", None)
-    return window if window is not None and not getattr(config, "layer_types", None) else None
-
-
-class AttentionTap:
-    """The hooks through which one cache sees a model's attention: after each attention module ran on a forward
-    given that cache, ``cache.after_attention(module, kwargs, projected_queries)`` is called with the output of the
-    module's query projection (kept instead of projecting again). Forwards given any other cache pass untouched.
-
-    The hooks hold the cache weakly and are removed by `remove`, or when the cache is garbage-collected."""
-
-    def __init__(self, modules: list[nn.Module], cache):
-        self._cache = weakref.ref(cache)
-        self._modules = modules
-        self._queries: dict[nn.Module, torch.Tensor] = {}
-        self._armed: set[nn.Module] = set()
-        self._handles = []
-        for module in modules:
-            self._handles += [
-                module.register_forward_pre_hook(self._before, with_kwargs=True),
-                module.q_proj.register_forward_hook(self._query_hook(module)),
-                module.register_forward_hook(self._after, with_kwargs=True, always_call=True),
-            ]
-        self._finalizer = weakref.finalize(cache, AttentionTap._remove_handles, self._handles)
-
-    @property
-    def installed(self) -> bool:
-        return self._finalizer.alive
-
-    def running(self, layer_idx: int) -> bool:
-        """Whether layer ``layer_idx``'s attention module is inside a forward given this tap's cache right now (False
-        when another model runs the cache: its modules carry no hook of this cache)."""
-        return self._modules[layer_idx] in self._armed
-
-    def remove(self) -> None:
-        """Take every hook off the model (idempotent)."""
-        self._finalizer()
-        self._queries.clear()
-        self._armed.clear()
-
-    @staticmethod
-    def _remove_handles(handles) -> None:
-        for handle in handles:
-            handle.remove()
-
-    def _ours(self, kwargs: dict):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        return cache if cache is not None and cache is self._cache() else None
-
-    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._ours(kwargs) is not None:
-            check_attention_implementation(module)
-            self._armed.add(module)
-
-    def _query_hook(self, module: nn.Module):
-        def keep(projection: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            if module in self._armed:
-                self._queries[module] = output
-
-        return keep
-
-    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        self._armed.discard(module)
-        queries = self._queries.pop(module, None)
-        cache = self._ours(kwargs)
-        if cache is None or output is None:  # output is None when the forward raised
-            return
-        cache.after_attention(module, kwargs, queries)
-
-
-def finish_queries(module: nn.Module, projected: torch.Tensor, position_embeddings) -> torch.Tensor:
-    """Post-RoPE queries ``(B, H_q, R, d)`` from the query projection's output ``(B, R, H_q * d)``, exactly as the
-    module builds them."""
-    batch, rows, _ = projected.shape
-    queries = projected.view(batch, rows, -1, module.head_dim)
-    if hasattr(module, "q_norm"):  # Qwen3 QK-norm, applied per head before RoPE
-        queries = module.q_norm(queries)
-    queries = queries.transpose(1, 2)
-    cos, sin = (table.unsqueeze(1) for table in position_embeddings)
-    return queries * cos + rotate_half(queries) * sin
-
-
-def attention_rows(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, real_slots: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Softmax probabilities ``(B, H_q, R, N)`` (float32) of the ``R`` newest tokens' ``queries`` ``(B, H_q, R, d)``
-    over ``keys`` ``(B, H_kv, N, d)``, whose last ``R`` slots are those same tokens (causal among them).
-    ``real_slots`` ``(B, N)`` marks the slots that are not padding (None: no padding); rows that see nothing
-    (padding queries) come out as zeros."""
-    batch, heads, rows, dim = queries.shape
-    kv_heads, tokens = keys.shape[1], keys.shape[2]
-    grouped = queries.float().reshape(batch, kv_heads, heads // kv_heads * rows, dim)
-    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).view(batch, heads, rows, tokens)
-    logits.mul_(scaling)
-    future = torch.ones(rows, rows, dtype=torch.bool, device=logits.device).triu_(1)
-    logits[..., tokens - rows :].masked_fill_(future, float("-inf"))
-    if real_slots is None:
-        return torch.softmax(logits, dim=-1)
-    logits.masked_fill_(~real_slots[:, None, None, :], float("-inf"))
-    return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)

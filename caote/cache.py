@@ -17,9 +17,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from caote.attention import AttentionTap, attention_modules, attention_rows, finish_queries, sliding_window
+from caote.attention import (
+    ForwardSwitch,
+    active_forward,
+    attention_modules,
+    attention_probabilities,
+    sliding_windows,
+)
 from caote.policies import Policy, ScoreInputs, parse_policy
 from caote.scoring import GQA_AGGREGATIONS, accumulate_attention, keep_recent_rows
 
@@ -60,9 +66,7 @@ class EvictionLayer(DynamicLayer):
     @property
     def kv_bytes(self) -> int:
         """Bytes of the keys and values held now."""
-        if not self.is_initialized:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return layer_bytes(self)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -106,6 +110,13 @@ class EvictionLayer(DynamicLayer):
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _refuse
 
 
+def layer_bytes(layer) -> int:
+    """Bytes of the keys and values a cache layer (of any kind) holds now."""
+    if not layer.is_initialized or layer.keys.dim() < 3:
+        return 0
+    return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+
+
 @dataclass(frozen=True)
 class CacheSnapshot:
     """The state of an `EvictionCache` at one moment (see `EvictionCache.snapshot`)."""
@@ -141,11 +152,13 @@ class EvictionCache(Cache):
     Parameters
     ----------
     model:
-        The Llama / Mistral / Qwen2 / Qwen3 model the cache serves (sdpa or eager attention). The cache adds hooks to
-        its attention modules; `close` (or leaving a ``with EvictionCache(...) as cache:`` block, or dropping the
-        cache) removes them.
+        The model the cache serves (a supported family, sdpa or eager attention; see the README's family table).
+        The cache adds two hooks to its decoder, which switch it to caote's attention implementation for the
+        forwards given this cache only; `close` (or leaving a ``with EvictionCache(...) as cache:`` block, or
+        dropping the cache) removes them.
     budget:
-        Tokens kept per layer (and per KV head) after each step.
+        Tokens kept per full-attention layer (and per KV head) after each step. Sliding-window layers of hybrid
+        models (Gemma-2/3, Cohere-2, ...) keep transformers' own sliding-window layer, bounded by its window.
     policy:
         ``"full"``, ``"streamingllm"``, ``"h2o"``, ``"tova"``, ``"tova-layer"``, ``"snapkv"``, ``"keydiff"``,
         ``"knorm"``, ``"random"`` or ``"<base>+caote"`` / ``"<base>+fastcaote"`` (see `caote.policies`).
@@ -184,20 +197,28 @@ class EvictionCache(Cache):
     ):
         self.policy: Policy = parse_policy(policy)
         modules = attention_modules(model)
+        windows = sliding_windows(model)
+        every_layer_slides = all(window is not None for window in windows)
         self.recent_window = validate_settings(
             self.policy, budget, block_size, sink_tokens, recent_window, gqa, decode_eviction_interval
         )
         self.decode_eviction_interval = decode_eviction_interval
-        super().__init__(layers=[EvictionLayer() for _ in modules])
+        super().__init__(
+            layers=[
+                EvictionLayer() if window is None or every_layer_slides else DynamicSlidingWindowLayer(window)
+                for window in windows
+            ]
+        )
         self.budget, self.block_size, self.sink_tokens, self.gqa, self.seed = budget, block_size, sink_tokens, gqa, seed
         self.model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.sliding_window = sliding_window(model)
+        # A model whose every layer slides (Mistral with a window) evicts everywhere, within its window only.
+        self.sliding_window = min(windows) if every_layer_slides else None
         self._generator: torch.Generator | None = None
         self._peak_kv_bytes = 0
         self._held_bytes = [0] * len(modules)  # per layer, as last accounted: a running total, not a sum per call
         self._total_bytes = 0
         self._mask_seen: tuple[weakref.ref, torch.Tensor | None] | None = None
-        self._tap = AttentionTap(modules, self)
+        self._switch = ForwardSwitch(model, self)
 
     def __repr__(self):
         return (
@@ -208,7 +229,7 @@ class EvictionCache(Cache):
     def close(self) -> None:
         """Remove the cache's hooks from the model (also done when the cache is garbage-collected). A closed cache
         refuses further forwards."""
-        self._tap.remove()
+        self._switch.remove()
 
     def __enter__(self) -> EvictionCache:
         return self
@@ -252,7 +273,7 @@ class EvictionCache(Cache):
             raise ValueError(f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(self.layers)}")
         self.layers = [copy.copy(layer) for layer in snapshot.layers]
         self._peak_kv_bytes = snapshot.peak_kv_bytes
-        self._held_bytes = [layer.kv_bytes for layer in self.layers]
+        self._held_bytes = [layer_bytes(layer) for layer in self.layers]
         self._total_bytes = sum(self._held_bytes)
         if snapshot.generator_state is not None and self._generator is not None:
             self._generator.set_state(snapshot.generator_state)
@@ -260,9 +281,10 @@ class EvictionCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
         if self.policy.evicts:
-            if not self._tap.installed:
+            if not self._switch.installed:
                 raise ValueError("this EvictionCache was closed; build a new one")
-            if not self._tap.running(layer_idx):
+            active = active_forward()
+            if active is None or active.cache is not self:
                 raise ValueError(
                     f"this EvictionCache was built for {self.model_name!r}; build a new one for each model"
                 )
@@ -282,13 +304,17 @@ class EvictionCache(Cache):
 
     # -- eviction ------------------------------------------------------------------------------------------------
 
-    def after_attention(self, module: nn.Module, kwargs: dict, projected_queries: torch.Tensor | None) -> None:
-        """Score the tokens of ``module``'s layer and keep the top ``budget`` (called by the attention hook with the
-        output of the module's query projection)."""
+    def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict) -> None:
+        """Score the tokens of ``module``'s layer and keep the top ``budget``: called by caote's attention function
+        with the call's final queries ``(B, H_q, q, d)``, keys and values ``(B, H_kv, N, d)``, mask and arguments."""
         index = module.layer_idx
-        layer: EvictionLayer = self.layers[index]
+        layer = self.layers[index]
+        self._account(index)
+        self._peak_kv_bytes = max(self._peak_kv_bytes, self._total_bytes)
+        if not isinstance(layer, EvictionLayer):  # a sliding-window layer of a hybrid model keeps its own rule
+            return
         new = layer.new_tokens
-        if new > self.block_size and self.policy.evicts and index == 0:  # once per forward
+        if new > self.block_size and self.policy.evicts and index == self._first_evicting:  # once per forward
             logger.warning(
                 "EvictionCache received %d tokens in one forward (block size %d): attention over them is not "
                 "bounded by the budget; pass prefill_chunk_size=%d to generate",
@@ -296,13 +322,11 @@ class EvictionCache(Cache):
                 self.block_size,
                 self.block_size,
             )
-        real = self._real_slots(kwargs.get("attention_mask"), layer.keys)
+        real = self._real_slots(attention_mask, layer.keys)
         self._record_positions(layer, kwargs, real)
-        self._account(index)
-        self._peak_kv_bytes = max(self._peak_kv_bytes, self._total_bytes)
         if not self.policy.evicts:
             return
-        self._record_attention(layer, module, kwargs, projected_queries, real)
+        self._record_attention(layer, module, queries, attention_mask, kwargs, real)
         if layer.retained <= self.budget:
             return
         kept = self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1
@@ -321,7 +345,7 @@ class EvictionCache(Cache):
 
     def _account(self, index: int) -> None:
         """Bring the running total of KV bytes up to date with layer ``index`` (O(1), unlike summing all layers)."""
-        held = self.layers[index].kv_bytes
+        held = layer_bytes(self.layers[index])
         self._total_bytes += held - self._held_bytes[index]
         self._held_bytes[index] = held
 
@@ -355,26 +379,25 @@ class EvictionCache(Cache):
             positions.contiguous() if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)
         )
 
-    def _record_attention(self, layer, module, kwargs, projected_queries, real) -> None:
+    def _record_attention(self, layer, module, queries, attention_mask, kwargs, real) -> None:
         """Compute the attention rows the base score reads and fold them into the layer's history.
 
         Rows are computed only when the policy will read them: every row for a running sum (H2O), otherwise only
         while the layer is within the base's query window of its next eviction; a cache with room to spare does no
-        scoring work. Probabilities are always recomputed in float32 from the queries (under eager too, whose own
-        probabilities are rounded to the model's dtype), so the backend does not change the kept set."""
+        scoring work. Probabilities are the family's eager attention over the call's final queries, in float32
+        under every backend (eager's own are rounded to the model's dtype), so the backend does not change the kept
+        set."""
         base = self.policy.base
         if base.query_rows == "none":
             return
-        new = layer.new_tokens
         if not self._rows_needed(layer):
             layer.recent_rows = None  # rows this old fall out of the window before the next eviction
             return
+        new = layer.new_tokens
         rows = new if base.query_rows == "all" else min(base.query_window, new)
-        if projected_queries is None:
-            raise RuntimeError(f"the query projection of layer {module.layer_idx} did not run through caote's hook")
-        cos, sin = kwargs["position_embeddings"]
-        queries = finish_queries(module, projected_queries[:, -rows:], (cos[:, -rows:], sin[:, -rows:]))
-        probabilities = attention_rows(queries, layer.keys, module.scaling, real)
+        probabilities = attention_probabilities(
+            module, queries[:, :, -rows:], layer.keys, layer.values, attention_mask, kwargs
+        )
         if real is not None:  # padding queries add nothing
             probabilities = probabilities * real[:, -rows:][:, None, :, None]
         if base.query_rows == "all":
@@ -408,15 +431,20 @@ class EvictionCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes of keys and values held right now, over all layers."""
-        return sum(layer.kv_bytes for layer in self.layers)
+        return sum(layer_bytes(layer) for layer in self.layers)
 
     def stats(self) -> CacheStats:
-        """Tokens seen / kept / evicted per layer and KV bytes (now, at peak, and what a full cache would hold)."""
-        first = self.layers[0]
+        """Tokens seen / kept / evicted per evicting layer and KV bytes over every layer, sliding-window layers
+        included (now, at peak, and what a full cache would hold)."""
+        first = self.layers[self._first_evicting]
         seen, kept = first.get_seq_length(), first.retained
         now = self.kv_bytes()
-        full = now * seen // kept if kept else 0
+        full = sum(layer_bytes(layer) * seen // layer.keys.shape[-2] for layer in self.layers if layer_bytes(layer))
         return CacheStats(seen, kept, seen - kept, now, max(self._peak_kv_bytes, now), full)
+
+    @property
+    def _first_evicting(self) -> int:
+        return next(index for index, layer in enumerate(self.layers) if isinstance(layer, EvictionLayer))
 
 
 def validate_settings(

@@ -12,12 +12,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from caote.arguments import UsageError, positive_int
+from caote.arguments import UsageError, memory_limits, positive_int
 from caote.cache import DEFAULT_BLOCK_SIZE
 
 DEFAULT_BUDGET = 512
 DEFAULT_POLICY = "tova+caote"
 DEFAULT_MAX_NEW_TOKENS = 64
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(subparsers) -> None:
@@ -60,6 +61,24 @@ def add_parser(subparsers) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="wrap the prompt in the model's chat template as a user message (default: on)",
+    )
+    generate.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="weights and KV cache dtype; scores are computed in float32 whatever it is (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--device-map",
+        metavar="MAP",
+        help="accelerate device map, e.g. 'auto' (with --max-memory, layers that do not fit go to CPU or disk)",
+    )
+    generate.add_argument(
+        "--max-memory",
+        type=memory_limits,
+        metavar="DEV=SIZE,...",
+        help="with --device-map: most memory per device, e.g. 'cpu=200MiB' or '0=6GiB,cpu=16GiB'; the rest of the "
+        "model is offloaded to disk (a temporary folder)",
     )
     generate.add_argument("--stats", action="store_true", help="print tokens seen / kept and KV bytes saved to stderr")
     generate.add_argument(
@@ -154,10 +173,9 @@ def format_stats(stats) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     """Validate every input before loading the model, then stream the answer (and write/print what was asked)."""
     # start-up: generation, models and transformers import torch, which `caote --help` does not need
-    from transformers import TextStreamer
     from transformers.utils import logging as transformers_logging
 
-    from caote.generation import check_settings, generate
+    from caote.generation import check_settings
     from caote.models import load_model
 
     text = read_prompt(args.prompt, args.prompt_file)
@@ -173,8 +191,26 @@ def run_generate(args: argparse.Namespace) -> int:
         if not args.output.parent.is_dir():
             raise UsageError(f"--output '{args.output}': folder '{args.output.parent}' does not exist")
 
+    if args.max_memory is not None and args.device_map is None:
+        raise UsageError("--max-memory needs --device-map (e.g. --device-map auto)")
     transformers_logging.disable_progress_bar()  # keep stderr for errors and --stats
-    model, tokenizer = load_model(args.model)
+    with tempfile.TemporaryDirectory(prefix="caote-offload-") as offload_folder:
+        model, tokenizer = load_model(
+            args.model,
+            dtype=args.dtype,
+            device_map=args.device_map,
+            max_memory=args.max_memory,
+            offload_folder=offload_folder if args.device_map else None,
+        )
+        return _answer(args, text, model, tokenizer)
+
+
+def _answer(args, text, model, tokenizer) -> int:
+    """Stream the answer of the loaded model, then write / print what was asked."""
+    from transformers import TextStreamer
+
+    from caote.generation import generate
+
     prompt = text
     if args.chat:
         if getattr(tokenizer, "chat_template", None):

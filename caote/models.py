@@ -184,9 +184,13 @@ def load_model(
     dtype=None,
     device: str | None = None,
     attn_implementation: str = "sdpa",
+    device_map=None,
+    max_memory: dict | None = None,
+    offload_folder: str | None = None,
 ):
     """``(model, tokenizer)`` in eval mode, offline. ``name``: ``smollm2-135m``, a local path or a hub id; ``dtype``:
-    a torch dtype (default ``torch.float32``).
+    a torch dtype or its name (default ``torch.float32``). ``device_map`` / ``max_memory`` / ``offload_folder`` go to
+    accelerate (e.g. ``device_map="auto", max_memory={"cpu": "200MiB"}``: what does not fit is offloaded to disk).
 
     A missing path is a one-line `ValueError`; a hub id that is neither cached nor reachable (offline mode or no
     network) is a one-line `RuntimeError`, raised at once."""
@@ -198,11 +202,15 @@ def load_model(
 
     if dtype is None:
         dtype = torch.float32
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
+    placement = {key: value for key, value in placement.items() if value is not None}
     path = resolve_model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **extra)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, **extra
+            path, dtype=dtype, attn_implementation=attn_implementation, **placement, **extra
         )
     except OSError as error:
         raise RuntimeError(f"cannot load model {name!r}: {str(error).splitlines()[0]}") from None

@@ -234,13 +234,13 @@ def test_the_peak_is_tracked_with_a_running_total_not_a_sum_over_layers_per_call
 def test_attention_rows_are_computed_only_when_the_policy_will_read_them(monkeypatch, policy, window):
     model = tiny_model("llama")
     computed = []
-    original = caote.cache.attention_rows
+    original = caote.cache.attention_probabilities
 
-    def counting(queries, keys, *args):
+    def counting(module, queries, keys, *args):
         computed.append((queries.shape[-2], keys.shape[-2]))
-        return original(queries, keys, *args)
+        return original(module, queries, keys, *args)
 
-    monkeypatch.setattr(caote.cache, "attention_rows", counting)
+    monkeypatch.setattr(caote.cache, "attention_probabilities", counting)
     budget = 200
     cache = EvictionCache(model, budget=budget, policy=policy, block_size=BLOCK)
     run(model, random_ids(100, seed=17), cache, new_tokens=40)  # 139 tokens at most: never near the budget

@@ -1,0 +1,149 @@
+"""Every supported family, each a tiny random model built from its config class: the core guarantees hold (issue 13).
+
+The README's family table is generated from the same matrix (`caote.families.FAMILIES`).
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_ids
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from caote import EvictionCache
+from caote.cache import EvictionLayer
+from caote.families import FAMILIES, SUPPORTED_MODEL_TYPES, family_table
+from caote.testing import tiny_model
+
+BLOCK = 32
+POLICIES = ["tova+caote", "snapkv+caote", "h2o+fastcaote"]
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES = [(name, backend) for name, family in FAMILIES.items() for backend in family.backends]
+
+
+def greedy(model, ids, cache, new_tokens=8, attention_mask=None):
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            prefill_chunk_size=BLOCK,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
+@pytest.mark.parametrize("family,backend", CASES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_budget_above_everything_reproduces_a_dynamic_cache(family, backend, policy):
+    model = tiny_model(family, attn_implementation=backend)
+    ids = random_ids(100, seed=20)
+    expected = greedy(model, ids, DynamicCache(config=model.config))
+    assert torch.equal(greedy(model, ids, EvictionCache(model, budget=400, policy=policy, block_size=BLOCK)), expected)
+
+
+@pytest.mark.parametrize("family,backend", CASES)
+def test_every_full_attention_layer_holds_at_most_budget_after_every_forward(family, backend):
+    model = tiny_model(family, attn_implementation=backend)
+    budget = 48
+    cache = EvictionCache(model, budget=budget, policy="snapkv+caote", block_size=BLOCK)
+    seen = []
+
+    def probe(module, args, output):
+        for layer in cache.layers:
+            held = layer.keys.shape[-2]
+            if isinstance(layer, EvictionLayer):
+                assert held <= budget
+            else:  # a sliding-window layer of a hybrid model keeps its own bound
+                assert isinstance(layer, DynamicSlidingWindowLayer) and held <= layer.sliding_window
+        seen.append(cache.layers[-1].get_seq_length())
+
+    handle = model.register_forward_hook(probe)
+    try:
+        out = greedy(model, random_ids(150, seed=21), cache)
+    finally:
+        handle.remove()
+    assert out.shape[-1] == 158 and len(seen) == 5 + 7
+    stats = cache.stats()
+    assert (stats.tokens_seen, stats.tokens_kept) == (157, budget)
+    assert stats.kv_bytes == sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_row_left_padded_by_whole_blocks_equals_the_row_alone(family):
+    backend = FAMILIES[family].backends[0]
+    model = tiny_model(family, attn_implementation=backend).double()  # float64: see test_correctness
+    long_row, short_row = random_ids(128, seed=22), random_ids(64, seed=23)
+    ids = torch.cat([long_row, torch.cat([torch.zeros(1, 2 * BLOCK, dtype=torch.long), short_row], dim=1)])
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, : 2 * BLOCK] = 0
+    reference_batch = greedy(model, ids, DynamicCache(config=model.config), 6, attention_mask)
+    reference_alone = greedy(model, short_row, DynamicCache(config=model.config), 6)
+    if not torch.equal(reference_batch[1, -6:], reference_alone[0, -6:]):
+        pytest.skip(f"transformers' own DynamicCache gives the padded {family} row other tokens than the row alone")
+    batch = greedy(
+        model, ids, EvictionCache(model, budget=48, policy="snapkv+caote", block_size=BLOCK), 6, attention_mask
+    )
+    alone = greedy(model, short_row, EvictionCache(model, budget=48, policy="snapkv+caote", block_size=BLOCK), 6)
+    assert torch.equal(batch[1, -6:], alone[0, -6:])
+
+
+@pytest.mark.parametrize("family", [name for name, family in FAMILIES.items() if len(family.backends) == 2])
+def test_sdpa_and_eager_keep_the_same_tokens(family):
+    ids = random_ids(130, seed=24)
+    runs = {}
+    for backend in ("sdpa", "eager"):
+        model = tiny_model(family, attn_implementation=backend)
+        cache = EvictionCache(model, budget=48, policy="tova+caote", block_size=BLOCK)
+        runs[backend] = (
+            greedy(model, ids, cache),
+            [layer.positions for layer in cache.layers if hasattr(layer, "positions")],
+        )
+    assert torch.equal(runs["sdpa"][0], runs["eager"][0])
+    for sdpa_positions, eager_positions in zip(runs["sdpa"][1], runs["eager"][1]):
+        assert torch.equal(sdpa_positions, eager_positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_half_precision_models_run_end_to_end_within_budget(family, dtype):
+    model = tiny_model(family, attn_implementation=FAMILIES[family].backends[0]).to(dtype)
+    cache = EvictionCache(model, budget=48, policy="snapkv+caote", block_size=BLOCK)
+    out = greedy(model, random_ids(120, seed=25), cache)
+    assert out.shape[-1] == 128
+    layer = next(layer for layer in cache.layers if isinstance(layer, EvictionLayer))
+    assert layer.keys.dtype == dtype and layer.keys.shape[-2] == 48
+    assert layer.recent_rows.dtype == torch.float32  # the scores' probabilities stay float32
+
+
+def test_a_model_without_an_eviction_cache_runs_as_before_and_the_cache_leaves_it_as_it_found_it():
+    model = tiny_model("gemma3_text")
+    ids = random_ids(60, seed=26)
+    with torch.no_grad():
+        before = model(ids).logits
+    with EvictionCache(model, budget=40, policy="tova+caote", block_size=BLOCK) as cache:
+        greedy(model, ids, cache)
+        assert model.config._attn_implementation == "sdpa"  # switched only inside the cache's own forwards
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    assert model.config._attn_implementation == "sdpa"
+    assert not model._forward_hooks and not model.get_decoder()._forward_pre_hooks
+
+
+def test_the_supported_list_is_the_tested_matrix():
+    assert SUPPORTED_MODEL_TYPES == tuple(FAMILIES)
+
+
+def test_readme_family_table_matches_the_test_matrix():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- families:start -->\n(.*?)\n<!-- families:end -->", readme, re.S)
+    assert match, "README.md lacks the <!-- families:start --> ... <!-- families:end --> block"
+    assert match.group(1).strip() == family_table(), (
+        "README family table is stale: paste `python -c 'from caote.families import family_table; "
+        "print(family_table())'` between the markers"
+    )
