@@ -26,13 +26,11 @@ from caote.attention import (
     attention_probabilities,
     sliding_windows,
 )
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS
 from caote.policies import Policy, ScoreInputs, parse_policy
 from caote.scoring import GQA_AGGREGATIONS, accumulate_attention, keep_recent_rows
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BLOCK_SIZE = 128
-DEFAULT_SINK_TOKENS = 4
 
 
 class EvictionLayer(DynamicLayer):

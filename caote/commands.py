@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from caote.arguments import UsageError, memory_limits, positive_int
-from caote.cache import DEFAULT_BLOCK_SIZE
+from caote.defaults import DEFAULT_BLOCK_SIZE
 
 DEFAULT_BUDGET = 512
 DEFAULT_POLICY = "tova+caote"

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from caote import scoring
+from caote.defaults import PAPER_BASES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,8 +189,6 @@ def policy_names() -> list[str]:
 
 
 # The attention-score bases the CAOTE paper evaluates (arXiv 2504.14051, Tables 1-4): listed here once.
-PAPER_BASES = ("h2o", "tova", "snapkv")
-
 POLICY_GROUPS: dict[str, list[str]] = {
     "paper": ["full", "streamingllm"] + [f"{b}{t}" for b in PAPER_BASES for t in ("", "+caote", "+fastcaote")],
     "all": policy_names(),
