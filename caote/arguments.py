@@ -13,6 +13,15 @@ class UsageError(ValueError):
     """A bad command-line value: reported in one line with exit code 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose errors are one line on stderr, ``PROG: error: MESSAGE``, exit code 2 (no
+    usage lines before it: ``--help`` shows them). Subcommand parsers inherit the class (``add_subparsers`` uses the
+    parent's class), so one instance at the top covers every subcommand."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_int(text: str, minimum: int | None = None) -> int:
     """``"128"`` -> ``128``; a one-line `ValueError` for anything that is not an integer or lies below ``minimum``."""
     try:

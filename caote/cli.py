@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from caote import commands
-from caote.arguments import UsageError
+from caote.arguments import Parser, UsageError
 from caote.benchmark import cli as benchmark_cli
 from caote.evaluation import cli as evaluation_cli
 
@@ -22,7 +22,7 @@ __all__ = ["SUBCOMMANDS", "UsageError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="caote",
         description="Bounded KV-cache memory for Hugging Face causal LMs with value-aware token eviction (CAOTE).",
     )
@@ -34,13 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named after the subcommand they were given to (parse_args would say plain "caote")
+        parser.exit(2, f"caote {args.command}: error: unrecognized arguments: {' '.join(unknown)}\n")
     try:
         return int(args.func(args) or 0)
     except UsageError as error:
         parser.exit(2, f"caote {args.command}: error: {error}\n")
     except (ValueError, RuntimeError, OSError) as error:
-        print(f"caote {args.command}: error: {error}", file=sys.stderr)
+        message = " ".join(str(error).split())  # one line, also for a library's multi-line message
+        print(f"caote {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"caote {args.command}: interrupted", file=sys.stderr)

@@ -170,15 +170,30 @@ def format_stats(stats) -> str:
     )
 
 
+def check_model(name: str) -> None:
+    """A `UsageError` for a ``--model`` that names no model (a missing directory, a file, a folder without
+    config.json, a malformed hub id), before torch is imported; a hub id that cannot be fetched stays a runtime
+    error (exit 1)."""
+    from caote.models import BUNDLED_MODEL, check_model_name  # torch-free at import
+
+    if name == BUNDLED_MODEL:
+        return
+    try:
+        check_model_name(name)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Validate every input before loading the model, then stream the answer (and write/print what was asked)."""
-    # start-up: generation, models and transformers import torch, which `caote --help` does not need
+    text = read_prompt(args.prompt, args.prompt_file)
+    check_model(args.model)
+    # start-up: generation and transformers import torch, which `caote --help` and argument errors do not need
     from transformers.utils import logging as transformers_logging
 
     from caote.generation import check_settings
     from caote.models import load_model
 
-    text = read_prompt(args.prompt, args.prompt_file)
     try:
         check_settings(
             budget=args.budget, policy=args.policy, block_size=args.block_size, max_new_tokens=args.max_new_tokens

@@ -139,13 +139,58 @@ def test_usage_error_in_a_real_process():
     )
 
 
-def test_runtime_error_exits_1_and_writes_nothing(tmp_path):
+def test_runtime_error_exits_1_in_one_line_and_writes_nothing(tmp_path):
+    model = tmp_path / "broken-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}", encoding="utf-8")  # passes the checks, fails in transformers
     target = tmp_path / "answer.txt"
-    result = caote("generate", "hello", "--model", str(tmp_path / "no-model"), "--output", str(target))
+    result = caote("generate", "hello", "--model", str(model), "--output", str(target))
     assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("caote generate: error: ") and str(tmp_path / "no-model") in last
-    assert not target.exists() and list(tmp_path.iterdir()) == []
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("caote generate: error: ")
+    assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["broken-model"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "0"], "caote generate: error: argument --budget: must be a positive integer, got '0'"),
+        (["--budget", "abc"], "caote generate: error: argument --budget: must be a positive integer, got 'abc'"),
+        (
+            ["--max-new-tokens", "0"],
+            "caote generate: error: argument --max-new-tokens: must be a positive integer, got '0'",
+        ),
+        (["--nope"], "caote generate: error: unrecognized arguments: --nope"),
+        (["--model", "/no/such/dir"], "caote generate: error: no such directory: '/no/such/dir'; give an existing"),
+        (["--model", "tests"], "caote generate: error: model directory 'tests' has no config.json"),
+    ],
+)
+def test_argument_errors_are_exactly_one_line(capsys, monkeypatch, args, message):
+    """No usage lines before the message (argparse's default), and no torch import on the way."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = run_main(capsys, "generate", "hi", *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(message), err
+
+
+def test_argument_errors_of_other_commands_are_one_line(capsys):
+    for args, start in (([], "caote: error: "), (["nope"], "caote: error: "), (["eval"], "caote eval: error: ")):
+        code, _, err = run_main(capsys, *args)
+        assert code == 2 and err.count("\n") == 1 and err.startswith(start), err
+
+
+def test_model_error_in_a_real_process_imports_no_torch():
+    code = (
+        "import sys\nfrom caote.cli import main\ntry:\n    code = main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+        "    code = stop.code\nsys.exit(code + 10 * ('torch' in sys.modules))"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for args in (["--model", "/no/such/dir"], ["--budget", "abc"]):
+        result = subprocess.run(
+            [sys.executable, "-c", code, "generate", "hi", *args], capture_output=True, text=True, cwd=ROOT, env=env
+        )
+        assert result.returncode == 2, result.stderr  # 12 would mean torch was imported
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("caote generate: error: ")
 
 
 @pytest.mark.skipif(

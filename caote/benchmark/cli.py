@@ -6,12 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from caote.arguments import UsageError, int_tuple
+from caote.arguments import Parser, UsageError, int_tuple
 from caote.benchmark.config import DEFAULT_REPEATS, TINY_LLAMA, BenchConfig
-from caote.policies import expand_policies
 
 
 def _policy_list(text: str) -> tuple[str, ...]:
+    # start-up: the policies import torch, which `caote bench --help` does not need (only a given --policies does)
+    from caote.policies import expand_policies
+
     try:
         return tuple(name for name in expand_policies(text) if name != "full")
     except ValueError as error:
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         from caote.benchmark.sample import worker
 
         return worker(argv[1])
-    parser = argparse.ArgumentParser(prog="benchmarks/run.py", description=add_parser.__doc__)
+    parser = Parser(prog="benchmarks/run.py", description=add_parser.__doc__)
     add_arguments(parser)
     try:
         return command(parser.parse_args(argv))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from caote.policies import PAPER_BASES, parse_policy
+from caote.defaults import PAPER_BASES
 
 FULL_SDPA = "full-sdpa"
 FULL_BLOCKS = "full-blocks"
@@ -48,6 +48,9 @@ class BenchConfig:
 
 def validate_config(config: BenchConfig) -> None:
     """One-line `ValueError` for a configuration that cannot be measured."""
+    # start-up: the policies import torch, which `caote bench --help` does not need
+    from caote.policies import parse_policy
+
     if not config.contexts or any(c < 1 for c in config.contexts):
         raise ValueError(f"contexts must be positive token counts, got {config.contexts!r}")
     for name in (*config.policies, *config.decode_policies):
