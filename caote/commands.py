@@ -142,10 +142,20 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, stdin=None) -> str
     return text
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename: never a partial file."""
+    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename: never a partial file. The
+    file ends with a newline and gets a new file's usual mode (0666 less the umask, e.g. 0644), not mkstemp's 0600."""
+    if not text.endswith("\n"):
+        text += "\n"
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(temporary, 0o666 & ~_umask())
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
             stream.write(text)
             stream.flush()

@@ -217,3 +217,40 @@ def test_generate_on_the_bundled_model(tmp_path):
         r"saved [\d.]+ MiB \(\d+\.\d%\)",
         result.stderr,
     )
+
+
+def test_output_file_has_a_normal_mode_and_a_trailing_newline(tmp_path):
+    from caote.commands import write_atomically
+
+    old = os.umask(0o022)
+    try:
+        write_atomically(tmp_path / "answer.txt", "the answer")
+        write_atomically(tmp_path / "kept.txt", "two lines\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "answer.txt").read_text(encoding="utf-8") == "the answer\n"
+    assert (tmp_path / "kept.txt").read_text(encoding="utf-8") == "two lines\n"
+    assert (tmp_path / "answer.txt").stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["answer.txt", "kept.txt"]
+
+
+def test_eval_help_and_eval_report_help(capsys):
+    code, eval_help, _ = run_main(capsys, "eval", "--help")
+    assert code == 0 and "95% confidence" in eval_help and "%%" not in eval_help
+    code, report_help, _ = run_main(capsys, "eval", "report", "--help")
+    assert code == 0 and report_help != eval_help
+    assert report_help.startswith("usage: caote eval report") and "--docs" in report_help
+    assert "--budgets" not in report_help.split("options:")[1] and "--budgets" in eval_help
+
+
+def test_parsing_imports_neither_torch_nor_transformers():
+    """`caote generate --help` must start in well under a second: building the parser and an argument error import
+    neither torch nor transformers (every subcommand module imports them lazily, marked `# start-up:`)."""
+    code = (
+        "import sys\nimport caote.cli\ncaote.cli.build_parser()\n"
+        "try:\n    caote.cli.main(['generate', '--budget', '0', 'hi'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

@@ -19,65 +19,128 @@ DEFAULT_BUDGETS = "128,256,512"
 DEFAULT_LENGTHS = "1024,2048"
 
 
+EVAL_DESCRIPTION = (
+    "Run BENCHMARK for every policy x budget (plus the full cache as the reference) and summarise it with 95% "
+    "confidence intervals. Rows go to OUT/rows.<rank>.jsonl; rerunning resumes. Shard over processes with "
+    "'accelerate launch -m caote.cli eval ...'. 'caote eval report' runs the whole default grid instead: see "
+    "'caote eval report --help'."
+)
+REPORT_DESCRIPTION = (
+    "Run the default grid (every task at its own lengths and budgets; --quick: the small grid) on the model for the "
+    "policies, rows under DOCS/results/runs/<grid>/ (rerunning resumes), then write DOCS/results.md with tables and "
+    "plots under DOCS/results/. The task options of 'caote eval BENCHMARK' (--budgets, --lengths, ...) do not apply."
+)
+
+# (flags, add_argument keywords, where): "both" = `caote eval BENCHMARK` and `caote eval report`, "task" = only a
+# single benchmark, "report" = only the report; the eval parser accepts all of them (config_from_args rejects misuse)
+OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
+    (
+        ("--model",),
+        {
+            "default": "smollm2-135m",
+            "help": "'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)",
+        },
+        "both",
+    ),
+    (
+        ("--policies",),
+        {
+            "default": DEFAULT_POLICIES,
+            "help": "comma list of policies or a group ('paper', 'all') (default: %(default)s)",
+        },
+        "both",
+    ),
+    (("--budgets",), {"default": DEFAULT_BUDGETS, "help": "comma list of KV budgets (default: %(default)s)"}, "task"),
+    (
+        ("--lengths",),
+        {"default": DEFAULT_LENGTHS, "help": "comma list of context lengths in tokens (default: %(default)s)"},
+        "task",
+    ),
+    (
+        ("--samples",),
+        {"default": None, "help": "examples per task and length (texts for perplexity/fidelity); default: per task"},
+        "task",
+    ),
+    (("--seed",), {"default": "0", "help": "seed of example generation (default: %(default)s)"}, "both"),
+    (
+        ("--split",),
+        {"default": "test", "help": "essay split for haystacks and texts: dev or test (default: %(default)s)"},
+        "both",
+    ),
+    (("--out",), {"type": Path, "default": None, "help": "output folder (default: results/<benchmark>)"}, "task"),
+    (
+        ("--data-dir",),
+        {"type": Path, "default": None, "help": "LongBench folder holding <task>.jsonl files (longbench only)"},
+        "task",
+    ),
+    (("--tasks",), {"default": None, "help": "comma list of tasks (ruler, longbench); default: all"}, "task"),
+    (
+        ("--depths",),
+        {"default": None, "help": "niah: comma list of needle depths in %% (default: 10,50,90)"},
+        "task",
+    ),
+    (("--quick",), {"action": "store_true", "help": "the small grid that runs in ~15 min on 2 cores"}, "report"),
+    (
+        ("--summarise-only",),
+        {"action": "store_true", "help": "rewrite results.md from the rows already computed, running nothing"},
+        "report",
+    ),
+    (
+        ("--docs",),
+        {
+            "type": Path,
+            "default": Path("docs"),
+            "help": "folder for results.md and results/ (default: %(default)s)",
+        },
+        "report",
+    ),
+    (
+        ("--max-new-tokens",),
+        {"default": None, "help": "cap on every example's answer length (default: each task's own)"},
+        "task",
+    ),
+    (("--threads",), {"default": None, "help": "torch CPU threads per process (default: torch's choice)"}, "both"),
+    (("--no-progress",), {"action": "store_true", "help": "hide the progress bars"}, "both"),
+)
+
+
+class _EvalHelp(argparse.Action):
+    """``-h/--help`` of ``caote eval``: after ``report`` it prints the report's own help (`report_parser`)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, "benchmark", None) == REPORT:
+            report_parser(parser.prog).print_help()
+        else:
+            parser.print_help()
+        parser.exit()
+
+
+def report_parser(prog: str = "caote eval") -> argparse.ArgumentParser:
+    """The options of ``caote eval report`` alone, for its ``--help``."""
+    parser = argparse.ArgumentParser(prog=f"{prog} {REPORT}", description=REPORT_DESCRIPTION)
+    for flags, keywords, where in OPTIONS:
+        if where != "task":
+            parser.add_argument(*flags, **keywords)
+    return parser
+
+
 def add_parser(subparsers) -> None:
     """Register ``eval`` on the ``caote`` subcommand parser."""
     parser = subparsers.add_parser(
         "eval",
         help="measure what eviction costs: NIAH, RULER-style, LongBench, perplexity/KL, attention fidelity",
-        description=(
-            "Run BENCHMARK for every policy x budget (plus the full cache as the reference) and summarise it with "
-            "95%% confidence intervals. 'report' runs the default grid on the bundled model and writes "
-            "docs/results.md. Rows go to OUT/rows.<rank>.jsonl; rerunning resumes. Shard over processes with "
-            "'accelerate launch -m caote.cli eval ...'."
-        ),
+        description=EVAL_DESCRIPTION,
+        add_help=False,
     )
+    parser.add_argument("-h", "--help", action=_EvalHelp, help="show this help ('report --help': the report's own)")
     parser.add_argument("benchmark", metavar="BENCHMARK", help=f"one of: {', '.join(BENCHMARKS)}")
-    parser.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--policies",
-        default=DEFAULT_POLICIES,
-        help="comma list of policies or a group ('paper', 'all') (default: %(default)s)",
-    )
-    parser.add_argument("--budgets", default=DEFAULT_BUDGETS, help="comma list of KV budgets (default: %(default)s)")
-    parser.add_argument(
-        "--lengths", default=DEFAULT_LENGTHS, help="comma list of context lengths in tokens (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--samples",
-        default=None,
-        help="examples per task and length (texts for perplexity/fidelity); default per benchmark",
-    )
-    parser.add_argument("--seed", default="0", help="seed of example generation (default: %(default)s)")
-    parser.add_argument(
-        "--split", default="test", help="essay split for haystacks and texts: dev or test (default: %(default)s)"
-    )
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: results/<benchmark>)")
-    parser.add_argument(
-        "--data-dir", type=Path, default=None, help="LongBench folder holding <task>.jsonl files (longbench only)"
-    )
-    parser.add_argument("--tasks", default=None, help="comma list of tasks (ruler, longbench); default: all")
-    parser.add_argument("--depths", default=None, help="niah: comma list of needle depths in %% (default: 10,50,90)")
-    parser.add_argument("--quick", action="store_true", help="report: the small grid that runs in ~15 min on 2 cores")
-    parser.add_argument(
-        "--summarise-only",
-        action="store_true",
-        help="report: rewrite results.md from the rows already computed, running nothing",
-    )
-    parser.add_argument(
-        "--docs",
-        type=Path,
-        default=Path("docs"),
-        help="report: folder for results.md and results/ (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-new-tokens", default=None, help="cap on every example's answer length (default: each task's own)"
-    )
-    parser.add_argument("--threads", default=None, help="torch CPU threads per process (default: torch's choice)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    for flags, keywords, where in OPTIONS:
+        if where == "report":
+            keywords = {**keywords, "help": f"report: {keywords['help']}"}
+        parser.add_argument(*flags, **keywords)
     parser.set_defaults(func=run)
 
 
