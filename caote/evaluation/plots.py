@@ -63,14 +63,20 @@ def plot_niah_heatmaps(rows: list[dict], path: Path, budget: int) -> Path | None
 
 
 def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: str) -> Path | None:
-    """One line per policy (mean with its 95 % interval as error bars); the full cache as a dashed line."""
+    """One line per policy (mean with its 95 % interval as error bars); the full cache as a dashed line.
+
+    Policies with equal values would draw on top of each other, so each line is shifted sideways by a small fixed
+    fraction of a budget step (`_dodge`) and plain / +caote / +fastcaote get their own marker and line style; the
+    legend sits outside the axes so it hides no error bar."""
     budgets = sorted({r["budget"] for r in records if r["budget"] != ""})
     if not budgets:
         return None
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7.5, 4.5))
     styles = {"": "-", "+caote": "--", "+fastcaote": ":"}
+    markers = {"": "o", "+caote": "s", "+fastcaote": "^"}
     colours = {"streamingllm": "tab:gray", "h2o": "tab:blue", "tova": "tab:orange", "snapkv": "tab:green"}
+    drawn = [p for p in policy_order({r["policy"] for r in records}) if p != FULL]
     for policy in policy_order({r["policy"] for r in records}):
         chosen = sorted((r for r in records if r["policy"] == policy and r["budget"] != ""), key=lambda r: r["budget"])
         if policy == FULL:
@@ -81,7 +87,7 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
         if not chosen:
             continue
         base, plus, transform = policy.partition("+")
-        x = [r["budget"] for r in chosen]
+        x = [r["budget"] * _dodge(drawn.index(policy), len(drawn)) for r in chosen]
         y = [r["mean"] for r in chosen]
         error = [
             [max(0.0, r["mean"] - r["ci_low"]) for r in chosen],
@@ -94,8 +100,8 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
             label=policy,
             color=colours.get(base),
             capsize=2,
-            marker="o",
-            markersize=3,
+            marker=markers.get(plus + transform, "o"),
+            markersize=4,
             linestyle=styles.get(plus + transform, "-"),
             linewidth=1.2,
             alpha=0.85,
@@ -108,9 +114,18 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
     return _save_with_legend(plt, figure, axis, path)
 
 
+def _dodge(index: int, count: int, spread: float = 0.18) -> float:
+    """Factor that shifts line ``index`` of ``count`` sideways on a log2 budget axis: the lines fan out over
+    ``spread`` of one doubling, centred on the true budget (1.0 for a single line)."""
+    if count <= 1:
+        return 1.0
+    return 2.0 ** (spread * (index / (count - 1) - 0.5))
+
+
 def _save_with_legend(plt, figure, axis, path: Path) -> Path:
-    """Legend and grid on ``axis``, then write ``figure`` to ``path`` (creating its folder) and free it."""
-    axis.legend(fontsize=7, ncol=2)
+    """Legend (outside the axes, to the right, so it covers no data) and grid on ``axis``, then write ``figure`` to
+    ``path`` (creating its folder) and free it."""
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axis.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110, bbox_inches="tight")
