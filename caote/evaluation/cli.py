@@ -14,7 +14,6 @@ from pathlib import Path
 from caote.arguments import UsageError
 from caote.evaluation.registry import BENCHMARKS, REPORT
 
-DEFAULT_POLICIES = "paper"
 DEFAULT_BUDGETS = "128,256,512"
 DEFAULT_LENGTHS = "1024,2048"
 
@@ -22,13 +21,15 @@ DEFAULT_LENGTHS = "1024,2048"
 EVAL_DESCRIPTION = (
     "Run BENCHMARK for every policy x budget (plus the full cache as the reference) and summarise it with 95% "
     "confidence intervals. Rows go to OUT/rows.<rank>.jsonl; rerunning resumes. Shard over processes with "
-    "'accelerate launch -m caote.cli eval ...'. 'caote eval report' runs the whole default grid instead: see "
-    "'caote eval report --help'."
+    "'accelerate launch -m caote.cli eval ...'. 'caote eval report' runs a grid of tasks instead (--grid try: the "
+    "README's ~7-minute run): see 'caote eval report --help'."
 )
 REPORT_DESCRIPTION = (
-    "Run the default grid (every task at its own lengths and budgets; --quick: the small grid) on the model for the "
-    "policies, rows under DOCS/results/runs/<grid>/ (rerunning resumes), then write DOCS/results.md with tables and "
-    "plots under DOCS/results/. The task options of 'caote eval BENCHMARK' (--budgets, --lengths, ...) do not apply."
+    "Run a grid of tasks (each at its own lengths and budgets) on the model, full cache first, with one overall "
+    "progress bar; rows go to OUT/runs/<task>/ (rerunning resumes), tables, plots and results.md to OUT. At the end "
+    "a compact table (NIAH hits, KL from the full cache, KV memory saved) and the path of a plot are printed. "
+    "--docs DOCS regenerates the committed DOCS/results.md instead. The task options of 'caote eval BENCHMARK' "
+    "(--budgets, --lengths, ...) do not apply."
 )
 
 # (flags, add_argument keywords, where): "both" = `caote eval BENCHMARK` and `caote eval report`, "task" = only a
@@ -45,8 +46,8 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
     (
         ("--policies",),
         {
-            "default": DEFAULT_POLICIES,
-            "help": "comma list of policies or a group ('paper', 'all') (default: %(default)s)",
+            "default": None,
+            "help": "comma list of policies or a group ('paper', 'all') (default: paper; report: the grid's own)",
         },
         "both",
     ),
@@ -67,7 +68,11 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         {"default": "test", "help": "essay split for haystacks and texts: dev or test (default: %(default)s)"},
         "both",
     ),
-    (("--out",), {"type": Path, "default": None, "help": "output folder (default: results/<benchmark>)"}, "task"),
+    (
+        ("--out",),
+        {"type": Path, "default": None, "help": "output folder (default: results/<benchmark>, results/report-<grid>)"},
+        "both",
+    ),
     (
         ("--data-dir",),
         {"type": Path, "default": None, "help": "LongBench folder holding <task>.jsonl files (longbench only)"},
@@ -79,7 +84,16 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         {"default": None, "help": "niah: comma list of needle depths in %% (default: 10,50,90)"},
         "task",
     ),
-    (("--quick",), {"action": "store_true", "help": "the small grid that runs in ~15 min on 2 cores"}, "report"),
+    (
+        ("--grid",),
+        {
+            "default": None,
+            "help": "try (full cache vs 5 main policies at b=128/256, NIAH + KL: ~7 min on 2 idle cores), quick "
+            "(the 31 settings of docs/results.md: ~25 min) or full (hours) (default: full)",
+        },
+        "report",
+    ),
+    (("--quick",), {"action": "store_true", "help": "the same as --grid quick"}, "report"),
     (
         ("--summarise-only",),
         {"action": "store_true", "help": "rewrite results.md from the rows already computed, running nothing"},
@@ -89,8 +103,10 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         ("--docs",),
         {
             "type": Path,
-            "default": Path("docs"),
-            "help": "folder for results.md and results/ (default: %(default)s)",
+            "default": None,
+            "help": "regenerate the committed documents: DOCS/results.md, plots under DOCS/results/, rows under "
+            "DOCS/results/runs/<grid> (resumed: delete them to recompute); e.g. --grid quick --docs docs. Without "
+            "it nothing outside --out is written",
         },
         "report",
     ),

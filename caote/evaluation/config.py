@@ -17,6 +17,8 @@ from caote.generation import check_settings
 from caote.policies import expand_policies, parse_policy
 
 SPLITS = ("dev", "test")
+DEFAULT_POLICIES = "paper"  # when --policies is not given (report: the grid's own, if it has some)
+GRID_NAMES = ("try", "quick", "full")  # `caote.evaluation.grids.GRIDS`
 
 
 @dataclass
@@ -37,7 +39,8 @@ class EvalConfig:
     tasks: list[str] | None = None
     depths: list[float] | None = None
     quick: bool = False
-    docs: Path = Path("docs")
+    docs: Path | None = None  # report: write <docs>/results.md and rows under <docs>/results/runs (None: only out)
+    grid: str = "full"  # report: the grid (`caote.evaluation.grids.GRIDS`)
     progress: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     max_new_tokens: int | None = None
@@ -71,7 +74,10 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         raise ValueError(f"unknown benchmark {args.benchmark!r} (choose from {', '.join(BENCHMARKS)})")
     task = TASKS.get(benchmark)
     try:
-        policies = expand_policies(args.policies)
+        if args.policies is None and benchmark == REPORT:
+            policies = []  # the grid's own (`caote.evaluation.grids.part_configs`)
+        else:
+            policies = expand_policies(DEFAULT_POLICIES if args.policies is None else args.policies)
     except ValueError as error:
         raise ValueError(f"--policies: {error}") from None
     budgets = _int_list("--budgets", args.budgets)
@@ -94,6 +100,15 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         raise ValueError(f"--quick applies to '{REPORT}' only")
     if args.summarise_only and benchmark != REPORT:
         raise ValueError(f"--summarise-only applies to '{REPORT}' only")
+    grid = "quick" if args.quick else (args.grid or "full")
+    if args.quick and args.grid not in (None, "quick"):
+        raise ValueError(f"--quick is --grid quick; it contradicts --grid {args.grid}")
+    if args.grid is not None and benchmark != REPORT:
+        raise ValueError(f"--grid applies to '{REPORT}' only")
+    if grid not in GRID_NAMES:
+        raise ValueError(f"--grid: unknown grid {grid!r} (choose from {', '.join(GRID_NAMES)})")
+    if args.docs is not None and benchmark != REPORT:
+        raise ValueError(f"--docs applies to '{REPORT}' only")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     if tasks and task is not None and task.subtasks:
         unknown = sorted(set(tasks) - set(task.subtasks))
@@ -109,7 +124,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
             raise ValueError(f"--depths: {args.depths!r} must be percentages in 0..100")
     max_new_tokens = None if args.max_new_tokens is None else _int_list("--max-new-tokens", args.max_new_tokens)[0]
     threads = None if args.threads is None else _int_list("--threads", args.threads)[0]
-    out = Path(args.out) if args.out is not None else Path("results") / benchmark
+    default_out = Path("results") / (f"{REPORT}-{grid}" if benchmark == REPORT else benchmark)
+    out = Path(args.out) if args.out is not None else default_out
     return EvalConfig(
         benchmark=benchmark,
         model=args.model,
@@ -126,7 +142,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         max_new_tokens=max_new_tokens,
         threads=threads,
         summarise_only=bool(args.summarise_only),
-        quick=bool(args.quick),
-        docs=Path(args.docs),
+        quick=grid == "quick",
+        docs=None if args.docs is None else Path(args.docs),
+        grid=grid,
         progress=not args.no_progress,
     )

@@ -3,12 +3,12 @@ registry (Setup lines, headline columns, section titles)."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from caote.evaluation.grids import Grid
 from caote.evaluation.reference import FULL
 from caote.evaluation.registry import TASKS
+from caote.evaluation.rows import row_commits
 from caote.evaluation.stats import Estimate
 from caote.evaluation.summary import INTERVAL_NOTE, render_pieces
 from caote.evaluation.tables import policy_order
@@ -93,30 +93,36 @@ def verdict_lines(summaries: dict) -> list[str]:
 
 
 def write_results_md(
-    path: Path, grid: Grid, config, configs: dict, summaries: dict, rows: dict, seconds: dict, planned: dict
+    path: Path,
+    grid: Grid,
+    config,
+    configs: dict,
+    summaries: dict,
+    rows: dict,
+    seconds: dict,
+    planned: dict,
+    runs: Path | None = None,
 ) -> None:
     """docs/results.md: provenance, setup (one line per task), the headline table, the verdicts, the conclusions
     kept in ``results/<grid>_conclusions.md``, then one section per task in grid order."""
-    command = "caote eval report --quick" if grid.name == "quick" else "caote eval report"
+    docs = path.parent
+    runs = Path(runs) if runs is not None else docs / "results" / "runs"
+    committed = runs.is_relative_to(docs / "results")  # the committed documents (--docs) or a user's --out
+    command = f"caote eval report --grid {grid.name} " + (f"--docs {docs}" if committed else f"--out {docs}")
     counts = {name: len(value) for name, value in rows.items()}
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=path.parent, timeout=10
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        commit = "unknown"
+    policies = next(iter(configs.values())).policies if configs else []
+    commits = row_commits(row for value in rows.values() for row in value)
+    provenance = ", ".join(f"`{commit}`" for commit in commits) or "`none`"
     missing = {name: planned[name] - counts.get(name, 0) for name in planned if counts.get(name, 0) < planned[name]}
     lines = [
         "# Results: what eviction costs on the bundled SmolLM2-135M-Instruct",
         "",
         f"Regenerate with `{command}` (grid `{grid.name}`, model `{config.model}`, essay split `{config.split}`, "
-        f"seed {config.seed}, code at commit `{commit}`). Wall time summed over rows (over all processes): "
+        f"seed {config.seed}; rows computed with the code at commit{'s' if len(commits) > 1 else ''} {provenance}, "
+        "as stored in each row). Wall time summed over rows (over all processes): "
         + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
         + ". "
-        "Rows are kept under `docs/results/runs/` and a rerun resumes from them (delete the folder to recompute).",
+        f"Rows are kept under `{runs}/` and a rerun resumes from them (delete the folder to recompute).",
         "",
         (
             "**Incomplete run:** "
@@ -128,7 +134,7 @@ def write_results_md(
         "",
         "## Setup",
         "",
-        f"- Policies: {', '.join(policy_order(config.policies))}; budgets {', '.join(map(str, grid.budgets))} tokens "
+        f"- Policies: {', '.join(policy_order(policies))}; budgets {', '.join(map(str, grid.budgets))} tokens "
         "per layer and KV head; prompts consumed in blocks of 128 with eviction after every block, greedy decoding.",
         *setup_lines(configs, rows),
         f"- {INTERVAL_NOTE}",

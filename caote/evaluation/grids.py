@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from caote.evaluation.config import EvalConfig
+from caote.evaluation.config import DEFAULT_POLICIES, EvalConfig
 from caote.evaluation.reference import FULL
 from caote.evaluation.registry import TASKS
+from caote.policies import expand_policies
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,26 @@ class Grid:
     budgets: tuple[int, ...]
     max_new_tokens: int
     parts: tuple[GridPart, ...]
+    policies: tuple[str, ...] | None = None  # the grid's own policies, used unless --policies is given
 
 
-# quick: about 15 min on 2 idle cores (31 policy x budget settings: ~124 answers of ~1k-token prompts plus two
-# 1k-token texts in lockstep); the full grid takes hours on CPU
+# try: the README's first command, real work on the bundled model in about 6 min of rows on 2 idle cores (measured
+# from the quick grid's committed rows: ~10 s per NIAH answer, one 1k-token text in lockstep with 11 settings ~2 min):
+# the full cache vs the main policies at two budgets, NIAH hits and KL from the full cache
+TRY_GRID = Grid(
+    "try",
+    budgets=(128, 256),
+    max_new_tokens=24,
+    parts=(
+        GridPart("niah", lengths=(1024,), samples=1, depths=(50, 90)),
+        GridPart("perplexity", lengths=(1024,), samples=1),
+    ),
+    policies=("full", "streamingllm", "tova", "tova+caote", "snapkv", "snapkv+caote"),
+)
+
+
+# quick (docs/results.md): about 23 min of rows on 2 idle cores (31 policy x budget settings: ~124 answers of ~1k-token
+# prompts plus two 1k-token texts in lockstep; summed row seconds of the committed rows); the full grid takes hours
 QUICK_GRID = Grid(
     "quick",
     budgets=(128, 256, 512),
@@ -61,13 +78,14 @@ FULL_GRID = Grid(
 
 
 def part_configs(grid: Grid, config: EvalConfig, runs: Path) -> dict[str, EvalConfig]:
-    """One `EvalConfig` per part of ``grid`` (model, policies, seed, split and progress from ``config``), writing
-    rows to ``runs/<task>``."""
+    """One `EvalConfig` per part of ``grid`` (model, seed, split and progress from ``config``; its policies, or when
+    none were given the grid's own), writing rows to ``runs/<task>``."""
+    policies = list(config.policies or grid.policies or expand_policies(DEFAULT_POLICIES))
     return {
         part.task: EvalConfig(
             benchmark=part.task,
             model=config.model,
-            policies=config.policies,
+            policies=policies,
             budgets=list(grid.budgets),
             lengths=list(part.lengths),
             samples=part.samples,
@@ -81,6 +99,9 @@ def part_configs(grid: Grid, config: EvalConfig, runs: Path) -> dict[str, EvalCo
         )
         for part in grid.parts
     }
+
+
+GRIDS = {grid.name: grid for grid in (TRY_GRID, QUICK_GRID, FULL_GRID)}
 
 
 def planned_rows(configs: dict[str, EvalConfig]) -> dict[str, int]:

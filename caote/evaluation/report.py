@@ -1,6 +1,6 @@
-"""The two ``caote eval`` runs: one task (`run_benchmark`: rows, then ``<out>/summary.md``) and the report grid
-(`run_report`: every part of a grid, then docs/results.md). Both load the model, write this process's rows, wait for
-every process and summarise on process 0.
+"""The two ``caote eval`` runs: one task (`run_benchmark`: rows, then ``<out>/summary.md``) and a report grid
+(`run_report`: every part of a grid, then results.md, a compact table and a plot's path). Both load the model, write
+this process's rows, wait for every process and summarise on process 0.
 """
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.document import write_results_md
-from caote.evaluation.grids import FULL_GRID, QUICK_GRID, part_configs, planned_rows
+from caote.evaluation.glance import glance_table
+from caote.evaluation.grids import GRIDS, Grid, part_configs, planned_rows
 from caote.evaluation.rows import load_rows
 from caote.evaluation.runner import distributed_state, run_rows
 from caote.evaluation.summary import summarise_benchmark, summarise_rows
@@ -36,27 +38,56 @@ def run_benchmark(config: EvalConfig) -> int:
     return 0
 
 
+def report_paths(config: EvalConfig, grid: Grid) -> tuple[Path, Path, Path]:
+    """``(results.md, folder of tables and plots, folder of the rows)``: under ``config.out`` (a folder of the
+    user's), or with ``config.docs`` the committed documents (``<docs>/results.md``, ``<docs>/results/``,
+    ``<docs>/results/runs/<grid>``)."""
+    if config.docs is not None:
+        docs = Path(config.docs)
+        return docs / "results.md", docs / "results", docs / "results" / "runs" / grid.name
+    out = Path(config.out)
+    return out / "results.md", out, out / "runs"
+
+
 def run_report(config: EvalConfig) -> int:
-    """Run the default grid (``--quick``: the small one) and write ``<docs>/results.md``; with ``summarise_only``
-    rewrite it from the rows already under ``<docs>/results/runs/<grid>``."""
-    grid = QUICK_GRID if config.quick else FULL_GRID
+    """Run the grid ``config.grid`` with one overall progress bar (rows saved / planned), summarise it into
+    results.md, tables and plots (under ``config.out``, or the committed documents with ``config.docs``), then print
+    the compact table and a plot's path. With ``summarise_only``, only summarise the rows already there."""
+    grid = GRIDS[config.grid]
     if config.threads:
         torch.set_num_threads(config.threads)
-    docs = Path(config.docs)
-    results = docs / "results"
-    configs = part_configs(grid, config, results / "runs" / grid.name)
+    document, results, runs = report_paths(config, grid)
+    configs = part_configs(grid, config, runs)
+    planned = planned_rows(configs)
     state, rank, world = distributed_state()
     if not config.summarise_only:
         model, tokenizer = _load(config, state)
+        done = sum(len(load_rows(part.out)) for part in configs.values()) if world == 1 else 0
+        total = sum(planned.values()) if world == 1 and len(planned) == len(configs) else None
+        bar = tqdm(
+            total=total,
+            initial=done,
+            desc=f"{grid.name} grid, rows",
+            unit="row",
+            disable=not config.progress or rank != 0,
+            dynamic_ncols=True,
+            bar_format="{desc}: {n_fmt}/{total_fmt} {bar} [{elapsed} elapsed, {remaining} remaining]",
+        )
         for part in configs.values():
-            run_rows(part, model, tokenizer, rank, world)
+            run_rows(part, model, tokenizer, rank, world, bar=bar)
+        bar.close()
     state.wait_for_everyone()
     if rank != 0:
         return 0
     rows = {name: load_rows(part.out) for name, part in configs.items()}
-    summaries = {name: summarise_rows(rows[name], name, results, plot_prefix=f"{grid.name}_") for name in configs}
+    prefix = f"{grid.name}_" if config.docs is not None else ""
+    summaries = {name: summarise_rows(rows[name], name, results, plot_prefix=prefix) for name in configs}
     # compute time actually spent on the rows (sum over rows and processes), not this call's wall time
     seconds = {name: sum(float(r.get("seconds") or 0) for r in value) for name, value in rows.items()}
-    write_results_md(docs / "results.md", grid, config, configs, summaries, rows, seconds, planned_rows(configs))
-    print(f"wrote {docs / 'results.md'}")
+    write_results_md(document, grid, config, configs, summaries, rows, seconds, planned, runs=runs)
+    print(glance_table(rows))
+    plots = [path for name in ("niah", *configs) for _, path in summaries.get(name, {}).get("plots", [])]
+    if plots:
+        print(f"plot: {plots[0]}")
+    print(f"tables and plots: {document}")
     return 0

@@ -8,14 +8,42 @@ before appending. Rows do not depend on the sharding (see `caote.evaluation.runn
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import subprocess
 from pathlib import Path
 
 from caote.evaluation.reference import FULL
 
 # fields that depend on the machine or the sharding, not on the computation (ignored when rows are compared)
-VOLATILE_FIELDS = ("seconds", "rank", "num_processes", "finished_at")
+VOLATILE_FIELDS = ("seconds", "rank", "num_processes", "finished_at", "commit")
+
+
+@functools.lru_cache(maxsize=1)
+def code_commit() -> str:
+    """The short commit of the caote checkout the rows are computed with (``+dirty`` when tracked files differ),
+    stored in every row so that a document names the code its rows came from; ``"unknown"`` outside git."""
+    folder = Path(__file__).resolve().parents[1]  # the caote package: its files are the code of the rows
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=folder, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+            capture_output=True,
+            text=True,
+            cwd=folder,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{commit}+dirty" if commit and dirty else (commit or "unknown")
+
+
+def row_commits(rows) -> list[str]:
+    """The distinct commits stored in ``rows`` (``"not recorded"`` for rows written before the field existed)."""
+    return sorted({str(row.get("commit") or "not recorded") for row in rows})
 
 
 def row_key(model: str, example_id: str, policy: str, budget: int | None) -> str:

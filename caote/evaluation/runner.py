@@ -25,7 +25,7 @@ from caote.evaluation.lockstep import lockstep
 from caote.evaluation.metrics import score_example
 from caote.evaluation.reference import FULL, cache_budget, with_reference
 from caote.evaluation.registry import TASKS
-from caote.evaluation.rows import RowStore, row_key
+from caote.evaluation.rows import RowStore, code_commit, row_key
 from caote.generation import generate_ids
 
 
@@ -43,11 +43,12 @@ def distributed_state():
     return state, state.process_index, state.num_processes
 
 
-def run_rows(config: EvalConfig, model, tokenizer, rank: int = 0, world: int = 1) -> int:
-    """The rows of ``config.benchmark`` for this process (no summary); returns the number written."""
+def run_rows(config: EvalConfig, model, tokenizer, rank: int = 0, world: int = 1, bar=None) -> int:
+    """The rows of ``config.benchmark`` for this process (no summary); returns the number written. ``bar``: an
+    overall progress bar (rows), advanced once per row saved or found done, instead of the task's own bars."""
     task = TASKS[config.benchmark]
     if task.texts is not None:
-        return run_texts(config, model, tokenizer, task.texts(config, tokenizer), rank, world)
+        return run_texts(config, model, tokenizer, task.texts(config, tokenizer), rank, world, bar=bar)
     return run_examples(
         model,
         tokenizer,
@@ -63,6 +64,7 @@ def run_rows(config: EvalConfig, model, tokenizer, rank: int = 0, world: int = 1
         config.block_size,
         extra={"seed": config.seed, "split": config.split},
         max_new_tokens=config.max_new_tokens,
+        bar=bar,
     )
 
 
@@ -112,12 +114,13 @@ def run_examples(
     block_size: int = DEFAULT_BLOCK_SIZE,
     extra: dict | None = None,
     max_new_tokens: int | None = None,
+    bar=None,
 ) -> int:
     """Answer this process's share of ``examples`` under full + ``policies`` x ``budgets``; returns rows written.
 
     When a budget is at least the prompt plus the answer, nothing can be evicted: the full cache's row is reused
     (marked ``"evicted": false``) instead of recomputing the same greedy answer. ``max_new_tokens`` caps every
-    example's own answer length.
+    example's own answer length. ``bar`` (see `run_rows`) advances when a row is saved (or found done).
     """
     store = RowStore(out, rank)
     mine = examples[rank::num_processes]
@@ -127,13 +130,16 @@ def run_examples(
         for policy in with_reference(policies)
         for budget in ([None] if policy == FULL else budgets)
     ]
-    bar = progress_bar(len(work), f"{benchmark} [{rank}]", progress, rank)
+    own_bar = bar is None
+    if own_bar:
+        bar = progress_bar(len(work), f"{benchmark} [{rank}]", progress, rank)
     written = 0
+    commit = code_commit()
     ids_cache: dict[str, torch.Tensor] = {}
     for example, policy, budget in work:
         key = row_key(model_name, example.id, policy, budget)
-        bar.update(1)
         if key in store:
+            bar.update(1)
             continue
         if example.id not in ids_cache:
             ids_cache = {example.id: prompt_ids(tokenizer, example)}
@@ -166,6 +172,7 @@ def run_examples(
             "seconds": round(time.perf_counter() - started, 3),
             "rank": rank,
             "num_processes": num_processes,
+            "commit": commit,
             **stats,
             **(extra or {}),
         }
@@ -174,8 +181,10 @@ def run_examples(
         elif policy == FULL:
             row["full_score"] = row["score"]
         store.append(row)
+        bar.update(1)  # after the row is saved: the bar never counts a row still running
         written += 1
-    bar.close()
+    if own_bar:
+        bar.close()
     return written
 
 
@@ -183,23 +192,31 @@ def run_examples(
 
 
 def run_texts(
-    config: EvalConfig, model, tokenizer, texts: list[tuple[str, int, str]], rank: int = 0, world: int = 1
+    config: EvalConfig, model, tokenizer, texts: list[tuple[str, int, str]], rank: int = 0, world: int = 1, bar=None
 ) -> int:
     """Rows of a texts task for this process's share of ``texts``; resumable per text (every pending policy x budget
-    of a text runs in one lockstep pass, fidelity included)."""
+    of a text runs in one lockstep pass, fidelity included). ``bar`` (see `run_rows`) advances per row saved."""
     store = RowStore(config.out, rank)
     written = 0
+    commit = code_commit()
     for text_id, length, text in texts[rank::world]:
         policies = with_reference(config.policies)
         runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
         pending = [run for run in runs if row_key(config.model, text_id, *run) not in store]
+        if bar is not None:
+            bar.update(len(runs) - len(pending))
         if not pending:
             continue
         ids = tokenizer(text, return_tensors="pt").input_ids
         blocks = -(-ids.shape[1] // config.block_size)
-        bar = progress_bar(blocks, f"{config.benchmark} {text_id} x{len(pending)} [{rank}]", config.progress, rank)
-        results = lockstep(model, ids, pending, block_size=config.block_size, fidelity=True, progress=bar)
-        bar.close()
+        text_bar = None
+        if bar is None:
+            text_bar = progress_bar(
+                blocks, f"{config.benchmark} {text_id} x{len(pending)} [{rank}]", config.progress, rank
+            )
+        results = lockstep(model, ids, pending, block_size=config.block_size, fidelity=True, progress=text_bar)
+        if text_bar is not None:
+            text_bar.close()
         for result in results:
             store.append(
                 {
@@ -214,8 +231,11 @@ def run_texts(
                     "meta": {"length": length},
                     "rank": rank,
                     "num_processes": world,
+                    "commit": commit,
                     **result,
                 }
             )
+            if bar is not None:
+                bar.update(1)
             written += 1
     return written
