@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import greedy, random_ids, tiny_model
 
 import caote.cache
 from caote import EvictionCache, policy_names
@@ -10,20 +10,6 @@ from caote.cache import validate_settings
 from caote.policies import parse_policy
 
 BLOCK = 32
-
-
-def run(model, ids, cache, new_tokens=6, attention_mask=None):
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=attention_mask,
-            cache=cache,
-            prefill_chunk_size=BLOCK,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
 
 
 # -- 1. Mistral's sliding window ---------------------------------------------------------------------------------
@@ -36,7 +22,7 @@ def test_a_sliding_window_model_evicts_exactly_while_the_sequence_fits_in_its_wi
     outputs, positions = [], []
     for model in (windowed, unwindowed):
         cache = EvictionCache(model, budget=48, policy="tova+caote", block_size=BLOCK)
-        outputs.append(run(model, ids, cache))
+        outputs.append(greedy(model, ids, cache, new_tokens=6))
         positions.append(cache.layers[0].positions)
     # the window never bites: the same tokens and kept positions as without a window, no slot read as padding
     assert torch.equal(outputs[0], outputs[1])
@@ -49,7 +35,7 @@ def test_a_sequence_longer_than_the_sliding_window_is_refused_in_one_line(window
     model = tiny_model("mistral", sliding_window=window)
     cache = EvictionCache(model, budget=48 if window > 48 else 16, policy="tova+caote", block_size=BLOCK)
     with pytest.raises(ValueError) as error:
-        run(model, random_ids(length), cache)
+        greedy(model, random_ids(length), cache, new_tokens=6)
     message = str(error.value)
     assert "\n" not in message
     assert f"sliding window of {window} tokens" in message
@@ -59,7 +45,7 @@ def test_a_sequence_longer_than_the_sliding_window_is_refused_in_one_line(window
 def test_the_full_policy_is_never_refused_for_a_sliding_window():
     model = tiny_model("mistral", sliding_window=24)
     cache = EvictionCache(model, budget=16, policy="full", block_size=BLOCK)
-    assert run(model, random_ids(100), cache).shape[-1] == 106
+    assert greedy(model, random_ids(100), cache, new_tokens=6).shape[-1] == 106
 
 
 # -- 2. attention backends -----------------------------------------------------------------------------------------
@@ -104,9 +90,9 @@ def padded_runs():
 def test_a_row_left_padded_by_whole_blocks_keeps_what_it_keeps_alone(padded_runs, policy):
     model, ids, attention_mask, short_row = padded_runs
     batch_cache = EvictionCache(model, budget=48, policy=policy, block_size=BLOCK)
-    batch = run(model, ids, batch_cache, attention_mask=attention_mask)
+    batch = greedy(model, ids, batch_cache, attention_mask=attention_mask, new_tokens=6)
     alone_cache = EvictionCache(model, budget=48, policy=policy, block_size=BLOCK)
-    alone = run(model, short_row, alone_cache)
+    alone = greedy(model, short_row, alone_cache, new_tokens=6)
     assert torch.equal(batch[1, -6:], alone[0, -6:])
     for batch_layer, alone_layer in zip(batch_cache.layers, alone_cache.layers):
         assert torch.equal(batch_layer.positions[1], alone_layer.positions[0])
@@ -140,7 +126,7 @@ def test_generate_refuses_an_attention_mask_in_one_line(tokenizer):
 def test_tova_layer_averages_the_newest_query_over_all_heads_and_evicts_the_same_tokens_everywhere():
     model = tiny_model("llama", num_key_value_heads=2)
     cache = EvictionCache(model, budget=40, policy="tova-layer", block_size=BLOCK)
-    run(model, random_ids(120, seed=12), cache)
+    greedy(model, random_ids(120, seed=12), cache, new_tokens=6)
     for layer in cache.layers:
         assert torch.equal(layer.positions[:, 0], layer.positions[:, 1])
     # the score itself: mean over all query heads of the newest row, the same for every KV head
@@ -192,10 +178,13 @@ def held_tensors(cache):
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("policy", ["tova+caote", "snapkv", "h2o"])
-def test_no_tensor_the_cache_holds_keeps_a_larger_storage_alive(implementation, policy):
+@pytest.mark.parametrize("length,budget,new_tokens", [(100, 40, 6), (60, 64, 1)])
+def test_no_tensor_the_cache_holds_keeps_a_larger_storage_alive(implementation, policy, length, budget, new_tokens):
+    """Also right after prompt blocks that do not evict (60 tokens, budget 64): no slice of a block's attention
+    matrix may stay behind in the cache, nor in a snapshot of it."""
     model = tiny_model("llama", attn_implementation=implementation)
-    cache = EvictionCache(model, budget=40, policy=policy, block_size=BLOCK)
-    run(model, random_ids(100, seed=14), cache)
+    cache = EvictionCache(model, budget=budget, policy=policy, block_size=BLOCK)
+    greedy(model, random_ids(length, seed=14), cache, new_tokens=new_tokens)
     snapshot = cache.snapshot()
     for name, tensor in held_tensors(cache):
         assert tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size(), name
@@ -206,7 +195,7 @@ def test_the_last_mask_is_not_kept_alive_and_reset_forgets_it():
     model = tiny_model("llama")
     cache = EvictionCache(model, budget=40, policy="tova", block_size=BLOCK)
     ids = torch.cat([random_ids(70, seed=15), torch.cat([torch.zeros(1, 6, dtype=torch.long), random_ids(64)], 1)])
-    run(model, ids, cache, attention_mask=(ids != 0).long())
+    greedy(model, ids, cache, attention_mask=(ids != 0).long(), new_tokens=6)
     assert cache._mask_seen is None or cache._mask_seen[0]() is None
     cache.reset()
     assert cache._mask_seen is None
@@ -218,7 +207,7 @@ def test_the_peak_is_tracked_with_a_running_total_not_a_sum_over_layers_per_call
     calls = []
     original = EvictionCache.kv_bytes
     monkeypatch.setattr(EvictionCache, "kv_bytes", lambda self: calls.append(1) or original(self))
-    run(model, random_ids(100, seed=16), cache)
+    greedy(model, random_ids(100, seed=16), cache, new_tokens=6)
     assert calls == []
     stats = cache.stats()
     assert stats.kv_bytes == sum(tensor.nbytes for name, tensor in held_tensors(cache) if name in ("keys", "values"))
@@ -243,7 +232,7 @@ def test_attention_rows_are_computed_only_when_the_policy_will_read_them(monkeyp
     monkeypatch.setattr(caote.cache, "attention_probabilities", counting)
     budget = 200
     cache = EvictionCache(model, budget=budget, policy=policy, block_size=BLOCK)
-    run(model, random_ids(100, seed=17), cache, new_tokens=40)  # 139 tokens at most: never near the budget
+    greedy(model, random_ids(100, seed=17), cache, new_tokens=40)  # 139 tokens at most: never near the budget
     if window is None:  # H2O's running sum needs every row of every step
         assert len(computed) == len(cache.layers) * (4 + 39)
     else:
@@ -261,7 +250,7 @@ def test_rows_resume_in_time_for_the_next_eviction_so_the_kept_set_is_unchanged(
         if always:
             monkeypatch.setattr(EvictionCache, "_rows_needed", lambda self, layer: True)
         cache = EvictionCache(model, budget=96, policy=policy, block_size=BLOCK, decode_eviction_interval=interval)
-        kept.append((run(model, ids, cache, new_tokens=60), [layer.positions for layer in cache.layers]))
+        kept.append((greedy(model, ids, cache, new_tokens=60), [layer.positions for layer in cache.layers]))
     assert torch.equal(kept[0][0], kept[1][0])
     for first, second in zip(kept[0][1], kept[1][1]):
         assert torch.equal(first, second)
