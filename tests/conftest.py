@@ -8,7 +8,9 @@ from transformers import AutoTokenizer
 
 from caote.testing import tiny_model
 
-__all__ = ["random_ids", "tiny_model"]
+__all__ = ["greedy", "random_ids", "tiny_model"]
+
+BLOCK = 32
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +36,19 @@ def qwen3():
 def random_ids(length: int, batch: int = 1, seed: int = 0, vocab: int = 96) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=generator)
+
+
+def greedy(model, ids, cache, new_tokens=12, attention_mask=None, block_size=BLOCK, **kwargs):
+    """Stock ``model.generate`` with ``cache``, prompts in blocks of ``block_size``, ``new_tokens`` greedy tokens."""
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            prefill_chunk_size=block_size,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )

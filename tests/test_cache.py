@@ -4,7 +4,7 @@ import gc
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import greedy, random_ids, tiny_model
 from transformers import DynamicCache
 
 from caote import EvictionCache, policy_names
@@ -12,20 +12,6 @@ from caote.cache import EvictionLayer
 
 EVICTING = [name for name in policy_names() if name != "full"]
 BLOCK = 32
-
-
-def greedy(model, ids, cache, new_tokens=12, **kwargs):
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            cache=cache,
-            prefill_chunk_size=BLOCK,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            **kwargs,
-        )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids
+from conftest import greedy, random_ids
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -24,27 +24,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = [(name, backend) for name, family in FAMILIES.items() for backend in family.backends]
 
 
-def greedy(model, ids, cache, new_tokens=8, attention_mask=None):
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=attention_mask,
-            cache=cache,
-            prefill_chunk_size=BLOCK,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-
-
 @pytest.mark.parametrize("family,backend", CASES)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_budget_above_everything_reproduces_a_dynamic_cache(family, backend, policy):
     model = tiny_model(family, attn_implementation=backend)
     ids = random_ids(100, seed=20)
-    expected = greedy(model, ids, DynamicCache(config=model.config))
-    assert torch.equal(greedy(model, ids, EvictionCache(model, budget=400, policy=policy, block_size=BLOCK)), expected)
+    expected = greedy(model, ids, DynamicCache(config=model.config), new_tokens=8)
+    assert torch.equal(
+        greedy(model, ids, EvictionCache(model, budget=400, policy=policy, block_size=BLOCK), new_tokens=8), expected
+    )
 
 
 @pytest.mark.parametrize("family,backend", CASES)
@@ -65,7 +53,7 @@ def test_every_full_attention_layer_holds_at_most_budget_after_every_forward(fam
 
     handle = model.register_forward_hook(probe)
     try:
-        out = greedy(model, random_ids(150, seed=21), cache)
+        out = greedy(model, random_ids(150, seed=21), cache, new_tokens=8)
     finally:
         handle.remove()
     assert out.shape[-1] == 158 and len(seen) == 5 + 7
@@ -101,7 +89,7 @@ def test_sdpa_and_eager_keep_the_same_tokens(family):
         model = tiny_model(family, attn_implementation=backend)
         cache = EvictionCache(model, budget=48, policy="tova+caote", block_size=BLOCK)
         runs[backend] = (
-            greedy(model, ids, cache),
+            greedy(model, ids, cache, new_tokens=8),
             [layer.positions for layer in cache.layers if hasattr(layer, "positions")],
         )
     assert torch.equal(runs["sdpa"][0], runs["eager"][0])
@@ -114,7 +102,7 @@ def test_sdpa_and_eager_keep_the_same_tokens(family):
 def test_half_precision_models_run_end_to_end_within_budget(family, dtype):
     model = tiny_model(family, attn_implementation=FAMILIES[family].backends[0]).to(dtype)
     cache = EvictionCache(model, budget=48, policy="snapkv+caote", block_size=BLOCK)
-    out = greedy(model, random_ids(120, seed=25), cache)
+    out = greedy(model, random_ids(120, seed=25), cache, new_tokens=8)
     assert out.shape[-1] == 128
     layer = next(layer for layer in cache.layers if isinstance(layer, EvictionLayer))
     assert layer.keys.dtype == dtype and layer.keys.shape[-2] == 48
@@ -127,7 +115,7 @@ def test_a_model_without_an_eviction_cache_runs_as_before_and_the_cache_leaves_i
     with torch.no_grad():
         before = model(ids).logits
     with EvictionCache(model, budget=40, policy="tova+caote", block_size=BLOCK) as cache:
-        greedy(model, ids, cache)
+        greedy(model, ids, cache, new_tokens=8)
         assert model.config._attn_implementation == "sdpa"  # switched only inside the cache's own forwards
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
