@@ -30,7 +30,8 @@ from caote.families import SUPPORTED_MODEL_TYPES
 
 # Backends the cache wraps; other implementations (flash, flex, paged) hand masks the cache cannot read exactly.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-WRAPPED = {f"caote_{name}": name for name in SUPPORTED_ATTENTION}
+# The implementation names a cache's forwards run under, with the mask function each needs (the wrapped backend's).
+CAOTE_MASKS = {"caote_sdpa": sdpa_mask, "caote_eager": eager_mask}
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,9 @@ def caote_attention(module: nn.Module, query, key, value, attention_mask, **kwar
     return output
 
 
-for _name in WRAPPED:
+for _name, _mask in CAOTE_MASKS.items():
     AttentionInterface.register(_name, caote_attention)
-AttentionMaskInterface.register("caote_sdpa", sdpa_mask)
-AttentionMaskInterface.register("caote_eager", eager_mask)
+    AttentionMaskInterface.register(_name, _mask)
 
 
 def attention_probabilities(

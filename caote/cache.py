@@ -194,7 +194,7 @@ class EvictionCache(Cache):
         decode_eviction_interval: int = 1,
     ):
         self.policy: Policy = parse_policy(policy)
-        modules = attention_modules(model)
+        attention_modules(model)  # refuses an unsupported family or backend in one line
         windows = sliding_windows(model)
         every_layer_slides = all(window is not None for window in windows)
         self.recent_window = validate_settings(
@@ -213,7 +213,7 @@ class EvictionCache(Cache):
         self.sliding_window = min(windows) if every_layer_slides else None
         self._generator: torch.Generator | None = None
         self._peak_kv_bytes = 0
-        self._held_bytes = [0] * len(modules)  # per layer, as last accounted: a running total, not a sum per call
+        self._held_bytes = [0] * len(self.layers)  # per layer, as last accounted: a running total, not a sum per call
         self._total_bytes = 0
         self._mask_seen: tuple[weakref.ref, torch.Tensor | None] | None = None
         self._switch = ForwardSwitch(model, self)
