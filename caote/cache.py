@@ -27,6 +27,7 @@ from caote.attention import (
     sliding_windows,
 )
 from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS
+from caote.future import FutureAttention
 from caote.policies import Policy, ScoreInputs, parse_policy
 from caote.scoring import GQA_AGGREGATIONS, accumulate_attention, keep_recent_rows
 
@@ -173,6 +174,9 @@ class EvictionCache(Cache):
         Plain base scores are always averaged over the group.
     seed:
         Seed of the ``random`` policy (its numbers are drawn on the CPU, whatever device each layer is on).
+    future:
+        The `caote.future.FutureAttention` of the teacher-forced text this cache will read, required by the
+        ``oracle`` policy (and only by it): a hindsight ceiling for evaluation, which no generation can provide.
     decode_eviction_interval:
         Decoding evicts one token per step by default (1). With ``k > 1`` a step with one new token that overflows
         the budget evicts ``k`` tokens at once, so scoring runs every ``k`` steps; the cache then holds between
@@ -192,8 +196,15 @@ class EvictionCache(Cache):
         gqa: str = "rss",
         seed: int = 0,
         decode_eviction_interval: int = 1,
+        future: FutureAttention | None = None,
     ):
         self.policy: Policy = parse_policy(policy)
+        if self.policy.evicts and self.policy.base.needs_future and future is None:
+            raise ValueError(
+                f"policy {self.policy.name!r} is a hindsight ceiling: it needs the attention of later queries, known "
+                "only on a teacher-forced text (caote eval perplexity), so it cannot generate; pick a causal policy"
+            )
+        self.future = future
         attention_modules(model)  # refuses an unsupported family or backend in one line
         windows = sliding_windows(model)
         every_layer_slides = all(window is not None for window in windows)
@@ -336,6 +347,9 @@ class EvictionCache(Cache):
             accumulated=layer.accumulated,
             recent_rows=layer.recent_rows,
             generator=self._random_generator() if self.policy.base.needs_random else None,
+            future=self.future.at(index, layer.cumulative_length, layer.positions)
+            if self.policy.base.needs_future
+            else None,
         )
         scores = self._protect(self.policy.scores(inputs, self.gqa), layer.positions)
         layer.keep(scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)

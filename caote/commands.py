@@ -106,7 +106,7 @@ def policy_table() -> str:
     from caote.policies import describe, policy_names
 
     lines = ["| policy | description |", "|---|---|"]
-    lines += [f"| `{name}` | {describe(name)} |" for name in policy_names()]
+    lines += [f"| `{name}` | {describe(name)} |" for name in policy_names(hindsight=True)]
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ class ScoreInputs:
     accumulated: torch.Tensor | None = None  # (B, H_q, N) attention summed over every query seen ("all" rows)
     recent_rows: torch.Tensor | None = None  # (B, H_q, R, N) attention of the newest queries ("recent" rows)
     generator: torch.Generator | None = None  # CPU generator, for bases that need random numbers
+    future: torch.Tensor | None = None  # (B, H_kv, N) attention from later queries (hindsight, `caote.future`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,8 @@ class BaseScore:
     ``layer_wide``: one decision for the whole layer (every KV head keeps the same tokens), as the original TOVA.
     ``needs_random``: the score draws random numbers (the cache hands it a seeded generator).
     ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
+    ``needs_future``: the score reads the attention of later queries (`caote.future.FutureAttention`), known only on
+    a teacher-forced text: a hindsight ceiling for evaluation, refused for generation.
     """
 
     name: str
@@ -58,6 +61,7 @@ class BaseScore:
     layer_wide: bool = False
     needs_random: bool = False
     rank_only: bool = False
+    needs_future: bool = False
 
 
 SNAPKV_WINDOW = 32
@@ -132,6 +136,15 @@ BASE_SCORES: dict[str, BaseScore] = {
             reference="-",
             needs_random=True,
         ),
+        BaseScore(
+            name="oracle",
+            score=lambda x: x.future,
+            summary="hindsight ceiling: the attention each token receives from all later queries of the full-cache "
+            "pass, summed over its KV group (teacher-forced text only; cannot generate)",
+            reference="-",
+            rank_only=True,
+            needs_future=True,
+        ),
     )
 }
 
@@ -178,10 +191,13 @@ class Policy:
         return scores
 
 
-def policy_names() -> list[str]:
-    """Every valid policy string, in a stable order."""
+def policy_names(hindsight: bool = False) -> list[str]:
+    """Every policy string that can generate, in a stable order; with ``hindsight`` also those that need the future
+    (``oracle``), which only teacher-forced evaluation can run."""
     names = ["full"]
     for name, base in BASE_SCORES.items():
+        if base.needs_future and not hindsight:
+            continue
         names.append(name)
         if not base.rank_only:
             names += [f"{name}+{transform}" for transform in TRANSFORM_SUMMARIES]
@@ -197,10 +213,11 @@ POLICY_GROUPS: dict[str, list[str]] = {
 
 def parse_policy(name: str) -> Policy:
     """``"snapkv+fastcaote"`` -> `Policy`; unknown names raise a one-line error with the closest valid name."""
-    if not isinstance(name, str) or name.strip().lower() not in policy_names():
-        close = difflib.get_close_matches(str(name).strip().lower(), policy_names(), n=1)
+    valid = policy_names(hindsight=True)
+    if not isinstance(name, str) or name.strip().lower() not in valid:
+        close = difflib.get_close_matches(str(name).strip().lower(), valid, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown policy {name!r}{hint} (valid: {', '.join(policy_names())})")
+        raise ValueError(f"unknown policy {name!r}{hint} (valid: {', '.join(valid)})")
     name = name.strip().lower()
     if name == "full":
         return Policy("full", None)

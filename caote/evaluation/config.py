@@ -67,6 +67,11 @@ def check_budgets(policies: list[str], budgets: list[int], block_size: int = DEF
                 raise ValueError(f"--budgets: {budget} is too small for {name} ({error})") from None
 
 
+def hindsight_policies(policies: list[str]) -> list[str]:
+    """The policies among ``policies`` that need the future (``oracle``): teacher-forced texts tasks only."""
+    return [name for name in policies if parse_policy(name).evicts and parse_policy(name).base.needs_future]
+
+
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     """Validate the ``caote eval`` arguments into an `EvalConfig` (a one-line `ValueError` on anything wrong)."""
     benchmark = str(args.benchmark).strip().lower()
@@ -80,6 +85,12 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
             policies = expand_policies(DEFAULT_POLICIES if args.policies is None else args.policies)
     except ValueError as error:
         raise ValueError(f"--policies: {error}") from None
+    hindsight = hindsight_policies(policies)
+    if hindsight and task is not None and task.texts is None:
+        raise ValueError(
+            f"--policies: {', '.join(hindsight)} reads the attention of later queries, known only on a teacher-forced "
+            f"text: it runs on perplexity and fidelity, not on {benchmark}, which generates"
+        )
     budgets = _int_list("--budgets", args.budgets)
     check_budgets(policies, budgets)
     lengths = _int_list("--lengths", args.lengths, minimum=16)

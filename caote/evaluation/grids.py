@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from caote.evaluation.config import DEFAULT_POLICIES, EvalConfig
+from caote.evaluation.config import DEFAULT_POLICIES, EvalConfig, hindsight_policies
 from caote.evaluation.reference import FULL
 from caote.evaluation.registry import TASKS
 from caote.policies import expand_policies
@@ -79,13 +79,14 @@ FULL_GRID = Grid(
 
 def part_configs(grid: Grid, config: EvalConfig, runs: Path) -> dict[str, EvalConfig]:
     """One `EvalConfig` per part of ``grid`` (model, seed, split and progress from ``config``; its policies, or when
-    none were given the grid's own), writing rows to ``runs/<task>``."""
+    none were given the grid's own, hindsight ones on texts tasks only), writing rows to ``runs/<task>``."""
     policies = list(config.policies or grid.policies or expand_policies(DEFAULT_POLICIES))
+    causal = [name for name in policies if name not in hindsight_policies(policies)]
     return {
         part.task: EvalConfig(
             benchmark=part.task,
             model=config.model,
-            policies=policies,
+            policies=policies if TASKS[part.task].texts is not None else causal,
             budgets=list(grid.budgets),
             lengths=list(part.lengths),
             samples=part.samples,

@@ -1,47 +1,71 @@
-"""Perplexity, next-token KL and attention-output fidelity under eviction, computed in lockstep with the full cache.
+"""Perplexity, next-token KL and attention-output fidelity under eviction, each policy against one full-cache pass.
 
-A text is consumed in blocks of 128 tokens. For each block the model runs once with a full (non-evicting) cache
-and once per policy x budget, each with its own `EvictionCache` (a forward evicts only in the cache it is given,
-so any number of caches can share one model). From every forward we read the next-token log-probabilities:
+A text is consumed in blocks of 128 tokens. The full (non-evicting) cache reads it once (`reference_pass`), keeping
+per block its next-token log-probabilities, its state and, when asked, every layer's attention output and the
+attention each token receives from later queries (`caote.future`, for the ``oracle`` policy). Every policy x budget
+then reads the same blocks under its own `EvictionCache` (`track`) and is compared with that reference:
 
 * PPL = exp(mean negative log-likelihood of tokens 2..T) — the paper's Table 4 reports PPL(policy) − PPL(full);
 * KL = mean over the same predictions of KL(p_full || p_policy), in nats — 0 for a cache that changes nothing;
   ``kl_evicted`` averages only the predictions made by blocks that attend an evicted cache;
 * fidelity (optional, see `caote.evaluation.fidelity`): the relative error of every layer's attention output.
+
+Blocks before a policy's first eviction are not recomputed when the policy carries no state into that eviction
+(every base but H2O's running sum): their forwards equal the full cache's, so the policy's cache starts from the
+reference's state at that block (`skippable_blocks`); the result is identical (tested), at a fraction of the cost.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from caote.cache import DEFAULT_BLOCK_SIZE, EvictionCache
+from caote.attention import attention_probabilities
+from caote.cache import DEFAULT_BLOCK_SIZE, CacheSnapshot, EvictionCache, EvictionLayer
 from caote.evaluation.fidelity import AttentionCapture, FidelityMeter, measured
 from caote.evaluation.reference import FULL, cache_budget
+from caote.future import FutureAttention
+from caote.policies import parse_policy
+from caote.scoring import group_query_heads
+
+
+class _ReferenceCache(EvictionCache):
+    """The full cache, which also records the attention every block's queries give each token (`FutureAttention`)."""
+
+    def __init__(self, model, block_size: int, future: FutureAttention | None):
+        super().__init__(model, budget=cache_budget(None), policy=FULL, block_size=block_size)
+        self.future_attention = future
+
+    def after_attention(self, module, queries, keys, values, attention_mask, kwargs) -> None:
+        super().after_attention(module, queries, keys, values, attention_mask, kwargs)
+        layer = self.layers[module.layer_idx]
+        if self.future_attention is None or not isinstance(layer, EvictionLayer):
+            return
+        probabilities = attention_probabilities(module, queries, layer.keys, layer.values, attention_mask, kwargs)
+        received = group_query_heads(probabilities.sum(2), layer.keys.shape[1]).sum(2)  # (B, H_kv, N)
+        self.future_attention.add(module.layer_idx, layer.cumulative_length, received[0])
 
 
 @dataclass
-class _Track:
-    """One policy x budget riding along the full cache."""
+class Reference:
+    """The full cache's pass over one text, shared by every policy compared with it (per block: log-probs, the
+    cache state after it and, for fidelity, every layer's attention output)."""
 
-    policy: str
-    budget: int | None
-    cache: EvictionCache
-    meter: FidelityMeter | None
-    nll: float = 0.0
-    kl: float = 0.0
-    kl_evicted: float = 0.0
-    evicted_predictions: int = 0
-    predictions: int = 0
-    seconds: float = 0.0
-    last: torch.Tensor | None = field(default=None, repr=False)  # log-probs at the previous block's last token
-    last_evicted: bool = False
-    block_nll: list = field(default_factory=list)  # per block: mean NLL of its predictions
-    block_kl: list = field(default_factory=list)  # per block: mean KL of its predictions
+    block_size: int
+    log_probs: list[torch.Tensor]
+    snapshots: list[CacheSnapshot]
+    outputs: list[list[torch.Tensor]] | None
+    future: FutureAttention | None
+    nll: float
+
+    def predictions(self, index: int) -> torch.Tensor:
+        """Log-prob rows of the full cache predicting the tokens of block ``index``."""
+        return _predictions(self.log_probs[index - 1][-1] if index else None, self.log_probs[index])
 
 
 def _forward(model, block: torch.Tensor, cache: EvictionCache, seen: int) -> torch.Tensor:
@@ -51,119 +75,191 @@ def _forward(model, block: torch.Tensor, cache: EvictionCache, seen: int) -> tor
     return F.log_softmax(output.logits[0].float(), dim=-1)
 
 
-def lockstep(
-    model,
-    input_ids: torch.Tensor,
-    runs: list[tuple[str, int | None]],
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    fidelity: bool = False,
-    progress=None,
-) -> list[dict]:
-    """PPL, KL from the full cache and (optionally) attention fidelity of every ``(policy, budget)`` in ``runs`` on
-    ``input_ids`` ``(1, T)``, plus the full cache's own PPL as ``ppl_full`` in every result."""
+def _blocks(input_ids: torch.Tensor, block_size: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(start, block, targets)`` per block: row i of a block predicts token i + 1, and the previous block's last row
+    predicts the block's first token."""
+    total = input_ids.shape[1]
+    return [
+        (
+            start,
+            input_ids[:, start : start + block_size],
+            input_ids[0, max(start, 1) : min(start + block_size, total)].view(-1, 1),
+        )
+        for start in range(0, total, block_size)
+    ]
+
+
+def _check_ids(model, input_ids: torch.Tensor) -> torch.Tensor:
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
         raise ValueError("input_ids must have shape (1, T) with T >= 2")
-    device = next(model.parameters()).device
-    input_ids = input_ids.to(device)
-    with ExitStack() as stack:  # every cache's hooks (and the capture's) come off the model on the way out
-        reference = stack.enter_context(
-            EvictionCache(model, budget=cache_budget(None), policy=FULL, block_size=block_size)
-        )
-        caches = [
-            stack.enter_context(EvictionCache(model, budget=cache_budget(budget), policy=policy, block_size=block_size))
-            for policy, budget in runs
-        ]
+    return input_ids.to(next(model.parameters()).device)
+
+
+def reference_pass(
+    model,
+    input_ids: torch.Tensor,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    fidelity: bool = False,
+    future: bool = False,
+) -> Reference:
+    """The full cache over ``input_ids`` ``(1, T)``: per-block log-probs and states, attention outputs when
+    ``fidelity``, the attention received from later queries (for ``oracle``) when ``future``."""
+    input_ids = _check_ids(model, input_ids)
+    recorder = FutureAttention() if future else None
+    log_probs, snapshots, outputs, nll = [], [], [] if fidelity else None, 0.0
+    with ExitStack() as stack, torch.no_grad():
+        cache = stack.enter_context(_ReferenceCache(model, block_size, recorder))
         capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
-        tracks = [
-            _Track(policy, budget, cache, FidelityMeter(len(capture.modules)) if capture is not None else None)
-            for (policy, budget), cache in zip(runs, caches)
-        ]
-        with torch.no_grad():
-            full_nll = _run_blocks(model, input_ids, reference, tracks, capture, block_size, progress)
-    return _results(tracks, full_nll, input_ids.shape[1])
-
-
-def _run_blocks(model, input_ids, reference, tracks, capture, block_size, progress) -> float:
-    """Feed ``input_ids`` block by block to the full cache and every track; returns the full cache's total NLL."""
-    full_nll, full_last = 0.0, None
-    total = input_ids.shape[1]
-    for start in range(0, total, block_size):
-        block = input_ids[:, start : start + block_size]
-        # predictions of this step: the previous block's last row predicts token `start`, row i predicts i+1
-        targets = input_ids[0, max(start, 1) : start + block.shape[1]].view(-1, 1)
-        full_lp = _forward(model, block, reference, start)
-        full_outputs = capture.take() if capture is not None else None
-        full_pred = _predictions(full_last, full_lp)
-        full_nll -= full_pred.gather(1, targets).sum().item()
-        for track in tracks:
-            began = time.perf_counter()
-            lp = _forward(model, block, track.cache, start)
-            track.seconds += time.perf_counter() - began
+        for index, (start, block, targets) in enumerate(_blocks(input_ids, block_size)):
+            log_probs.append(_forward(model, block, cache, start))
+            snapshots.append(cache.snapshot())
             if capture is not None:
-                outputs = capture.take()
-                if measured(start, track.budget):
-                    track.meter.add(outputs, full_outputs)
-            pred = _predictions(track.last, lp)
-            nll = -pred.gather(1, targets).sum().item()
-            track.nll += nll
-            kl = (full_pred.exp() * (full_pred - pred)).sum(-1)
-            track.kl += kl.sum().item()
-            track.predictions += kl.shape[0]
-            # which predictions came from a forward over an evicted cache
-            flags = torch.full((kl.shape[0],), measured(start, track.budget) and track.budget is not None)
-            if track.last is not None:
-                flags[0] = track.last_evicted
-            track.kl_evicted += kl[flags].sum().item()
-            track.evicted_predictions += int(flags.sum())
-            # per-block series (paired units of the summaries): blocks predicted from an evicted cache only
-            if kl.shape[0] and (track.budget is None or bool(flags.any())):
-                track.block_nll.append(nll / kl.shape[0])
-                track.block_kl.append(kl.mean().item())
-            track.last, track.last_evicted = (
-                lp[-1],
-                bool(measured(start, track.budget) and track.budget is not None),
+                outputs.append(capture.take())
+            nll -= _predictions(log_probs[index - 1][-1] if index else None, log_probs[index]).gather(1, targets).sum()
+    return Reference(block_size, log_probs, snapshots, outputs, recorder.finish() if recorder else None, float(nll))
+
+
+def skippable_blocks(policy: str, budget: int | None, block_size: int, tokens: int) -> int:
+    """How many leading blocks of a ``tokens``-long text a policy reads exactly as the full cache does, and can take
+    from the reference: all of them for the full cache; for an evicting policy the blocks before its first
+    eviction, provided it carries no state into that eviction (not H2O's running sum, nor a query window longer
+    than the block that first evicts)."""
+    blocks = -(-tokens // block_size)
+    base = parse_policy(policy).base
+    if budget is None or base is None:
+        return blocks
+    first = budget // block_size  # block k is the first to overflow the budget when (k + 1) * block_size > budget
+    if first >= blocks:
+        return blocks
+    if base.query_rows == "all" or base.query_window > min(block_size, tokens - first * block_size):
+        return 0
+    return first
+
+
+@dataclass
+class _Tally:
+    """What one policy x budget accumulates block by block."""
+
+    meter: FidelityMeter | None
+    nll: float = 0.0
+    kl: float = 0.0
+    kl_evicted: float = 0.0
+    evicted_predictions: int = 0
+    block_nll: list = field(default_factory=list)  # per block predicted from an evicted cache: mean NLL
+    block_kl: list = field(default_factory=list)  # the same blocks: mean KL
+
+
+def track(
+    model,
+    input_ids: torch.Tensor,
+    reference: Reference,
+    policy: str,
+    budget: int | None,
+    skip_prefix: bool = True,
+) -> dict:
+    """One policy x budget over ``input_ids`` against ``reference``: PPL, KL, fidelity and per-block series.
+    ``skip_prefix`` takes the blocks before the first eviction from the reference (see `skippable_blocks`)."""
+    input_ids = _check_ids(model, input_ids)
+    blocks = _blocks(input_ids, reference.block_size)
+    skipped = skippable_blocks(policy, budget, reference.block_size, input_ids.shape[1]) if skip_prefix else 0
+    fidelity = reference.outputs is not None
+    began = time.perf_counter()
+    with ExitStack() as stack, torch.no_grad():
+        cache = stack.enter_context(
+            EvictionCache(
+                model, budget=cache_budget(budget), policy=policy, block_size=reference.block_size,
+                future=reference.future,
             )
-        full_last = full_lp[-1]
-        if progress is not None:
-            progress.update(1)
-    return full_nll
+        )  # fmt: skip
+        capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
+        tally = _Tally(FidelityMeter(len(capture.modules)) if capture is not None else None)
+        if 0 < skipped < len(blocks):
+            cache.restore(reference.snapshots[skipped - 1])
+        last, last_evicted = None, False
+        for index, (start, block, targets) in enumerate(blocks):
+            if index < skipped:
+                lp, outputs = reference.log_probs[index], reference.outputs[index] if fidelity else None
+            else:
+                lp, outputs = _forward(model, block, cache, start), capture.take() if fidelity else None
+            evicted = budget is not None and measured(start, budget)
+            if fidelity and measured(start, budget):
+                tally.meter.add(outputs, reference.outputs[index])
+            full_pred, pred = reference.predictions(index), _predictions(last, lp)
+            nll = -pred.gather(1, targets).sum().item()
+            kl = (full_pred.exp() * (full_pred - pred)).sum(-1)
+            tally.nll += nll
+            tally.kl += kl.sum().item()
+            flags = torch.full((kl.shape[0],), evicted)  # which predictions came from an evicted cache
+            if last is not None:
+                flags[0] = last_evicted
+            tally.kl_evicted += kl[flags].sum().item()
+            tally.evicted_predictions += int(flags.sum())
+            if kl.shape[0] and (budget is None or bool(flags.any())):  # the paired units of the summaries
+                tally.block_nll.append(nll / kl.shape[0])
+                tally.block_kl.append(kl.mean().item())
+            last, last_evicted = lp[-1], evicted
+    return _result(policy, budget, tally, reference.nll, input_ids.shape[1], time.perf_counter() - began, skipped)
 
 
-def _results(tracks: list[_Track], full_nll: float, total: int) -> list[dict]:
-    """One result per track (PPL, KL, fidelity, per-block series), next to the full cache's PPL."""
+def _result(policy, budget, tally: _Tally, full_nll: float, total: int, seconds: float, skipped: int) -> dict:
     predictions = total - 1
+    ppl = float(torch.tensor(tally.nll / predictions).exp())
     ppl_full = float(torch.tensor(full_nll / predictions).exp())
-    results = []
-    for track in tracks:
-        ppl = float(torch.tensor(track.nll / predictions).exp())
-        results.append(
-            {
-                "policy": track.policy,
-                "budget": track.budget,
-                "tokens": total,
-                "predictions": predictions,
-                "ppl": ppl,
-                "ppl_full": ppl_full,
-                "ppl_delta": ppl - ppl_full,
-                "nll": track.nll / predictions,
-                "kl": track.kl / predictions,
-                "kl_evicted": track.kl_evicted / track.evicted_predictions if track.evicted_predictions else None,
-                "fidelity": track.meter.mean() if track.meter is not None else None,
-                "fidelity_layers": track.meter.per_layer() if track.meter is not None else None,
-                "fidelity_blocks": track.meter.blocks if track.meter is not None else 0,
-                "fidelity_per_block": track.meter.per_block if track.meter is not None else None,
-                "nll_blocks": track.block_nll,
-                "kl_blocks": track.block_kl,
-                "seconds": round(track.seconds, 3),
-            }
-        )
-    return results
+    meter = tally.meter
+    return {
+        "policy": policy,
+        "budget": budget,
+        "tokens": total,
+        "predictions": predictions,
+        "ppl": ppl,
+        "ppl_full": ppl_full,
+        "ppl_delta": ppl - ppl_full,
+        "nll": tally.nll / predictions,
+        "kl": tally.kl / predictions,
+        "kl_evicted": tally.kl_evicted / tally.evicted_predictions if tally.evicted_predictions else None,
+        "fidelity": meter.mean() if meter is not None else None,
+        "fidelity_layers": meter.per_layer() if meter is not None else None,
+        "fidelity_blocks": meter.blocks if meter is not None else 0,
+        "fidelity_per_block": meter.per_block if meter is not None else None,
+        "nll_blocks": tally.block_nll,
+        "kl_blocks": tally.block_kl,
+        "blocks_from_reference": skipped,
+        "seconds": round(seconds, 3),
+    }
 
 
 def _predictions(last: torch.Tensor | None, log_probs: torch.Tensor) -> torch.Tensor:
     """Log-prob rows predicting the block's tokens: its token 0 from the previous block's last row (when there is
     one), token i + 1 from row i; the block's last row is kept for the next block."""
     return log_probs[:-1] if last is None else torch.cat([last[None], log_probs[:-1]])
+
+
+def lockstep_results(
+    model,
+    input_ids: torch.Tensor,
+    runs: list[tuple[str, int | None]],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    fidelity: bool = False,
+    skip_prefix: bool = True,
+) -> Iterator[dict]:
+    """One full-cache pass over ``input_ids`` ``(1, T)``, then the result of every ``(policy, budget)`` in ``runs``,
+    yielded as soon as it is computed (so a caller can save each one), each with the full cache's PPL."""
+    needs_future = any(policy != FULL and parse_policy(policy).base.needs_future for policy, _ in runs)
+    reference = reference_pass(model, input_ids, block_size, fidelity, future=needs_future)
+    for policy, budget in runs:
+        yield track(model, input_ids, reference, policy, budget, skip_prefix)
+
+
+def lockstep(
+    model,
+    input_ids: torch.Tensor,
+    runs: list[tuple[str, int | None]],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    fidelity: bool = False,
+    skip_prefix: bool = True,
+) -> list[dict]:
+    """PPL, KL from the full cache and (optionally) attention fidelity of every ``(policy, budget)`` in ``runs``."""
+    return list(lockstep_results(model, input_ids, runs, block_size, fidelity, skip_prefix))
 
 
 def fidelity(

@@ -2,7 +2,8 @@
 
 Examples tasks: each example is answered greedily under the full cache (``budget`` None, the reference of every
 cell) and under every evicting policy x budget, then scored by its answer metric. Texts tasks: each text runs once
-through `caote.evaluation.lockstep` with every pending policy x budget. Rows go to `caote.evaluation.rows`.
+through `caote.evaluation.lockstep`: one full-cache pass, then every pending policy x budget against it, each row
+saved as it finishes. Rows go to `caote.evaluation.rows`.
 
 Sharding: `accelerate.PartialState` gives ``process_index`` / ``num_processes``; examples are dealt round-robin
 (example ``i`` goes to process ``i % num_processes``) and each process appends to its own shard. Rows do not depend
@@ -21,7 +22,7 @@ from caote.cache import DEFAULT_BLOCK_SIZE
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.data import prompt_text
 from caote.evaluation.examples import Example
-from caote.evaluation.lockstep import lockstep
+from caote.evaluation.lockstep import lockstep_results
 from caote.evaluation.metrics import score_example
 from caote.evaluation.reference import FULL, cache_budget, with_reference
 from caote.evaluation.registry import TASKS
@@ -194,30 +195,25 @@ def run_examples(
 def run_texts(
     config: EvalConfig, model, tokenizer, texts: list[tuple[str, int, str]], rank: int = 0, world: int = 1, bar=None
 ) -> int:
-    """Rows of a texts task for this process's share of ``texts``; resumable per text (every pending policy x budget
-    of a text runs in one lockstep pass, fidelity included). ``bar`` (see `run_rows`) advances per row saved."""
+    """Rows of a texts task for this process's share of ``texts``: one full-cache pass per text with a pending row,
+    then every pending policy x budget against it, each row saved as soon as it is computed (a killed run keeps
+    every finished row). ``bar`` (see `run_rows`) advances per row saved or found done."""
     store = RowStore(config.out, rank)
+    mine = texts[rank::world]
+    policies = with_reference(config.policies)
+    runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
+    own_bar = bar is None
+    if own_bar:
+        bar = progress_bar(len(mine) * len(runs), f"{config.benchmark} [{rank}]", config.progress, rank)
     written = 0
     commit = code_commit()
-    for text_id, length, text in texts[rank::world]:
-        policies = with_reference(config.policies)
-        runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
+    for text_id, length, text in mine:
         pending = [run for run in runs if row_key(config.model, text_id, *run) not in store]
-        if bar is not None:
-            bar.update(len(runs) - len(pending))
+        bar.update(len(runs) - len(pending))
         if not pending:
             continue
         ids = tokenizer(text, return_tensors="pt").input_ids
-        blocks = -(-ids.shape[1] // config.block_size)
-        text_bar = None
-        if bar is None:
-            text_bar = progress_bar(
-                blocks, f"{config.benchmark} {text_id} x{len(pending)} [{rank}]", config.progress, rank
-            )
-        results = lockstep(model, ids, pending, block_size=config.block_size, fidelity=True, progress=text_bar)
-        if text_bar is not None:
-            text_bar.close()
-        for result in results:
+        for result in lockstep_results(model, ids, pending, block_size=config.block_size, fidelity=True):
             store.append(
                 {
                     "key": row_key(config.model, text_id, result["policy"], result["budget"]),
@@ -235,7 +231,8 @@ def run_texts(
                     **result,
                 }
             )
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)  # after the row is saved
             written += 1
+    if own_bar:
+        bar.close()
     return written

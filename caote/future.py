@@ -1,0 +1,65 @@
+"""Future attention: how much attention each token receives from all *later* queries, known only in hindsight.
+
+On a teacher-forced text the whole sequence is known in advance, so a full-cache pass can record, for every layer,
+KV head and block boundary ``t`` (the number of tokens seen when the cache evicts), the attention mass each earlier
+token ``j < t`` receives from every later query ``i >= t``, summed over the query heads of the KV group:
+
+    F_t[h, j] = sum_{i >= t} sum_{q in group(h)} A_q[i, j]
+
+The ``oracle`` policy (`caote.policies`) keeps the tokens with the largest ``F_t``: a ceiling that says how much any
+causal policy could still gain at a budget. Only these column sums are stored (layers x boundaries x KV heads x
+tokens), never attention matrices.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+class FutureAttention:
+    """Per-layer attention received from later queries, filled block by block by a full-cache pass.
+
+    `add` takes each block's column sums as the full cache reads it; `finish` turns them into the future mass at
+    every boundary; `at` gathers it for the tokens a cache holds."""
+
+    def __init__(self):
+        self._received: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+        self._future: dict[tuple[int, int], torch.Tensor] = {}
+
+    def add(self, layer: int, seen: int, received: torch.Tensor) -> None:
+        """Record that the queries of the block ending at ``seen`` tokens gave ``received`` ``(H_kv, seen)``
+        attention to each token (summed over the block's queries and the query heads of each KV group)."""
+        self._received[layer].append((seen, received.detach().double().cpu()))
+        self._future.clear()
+
+    def finish(self) -> FutureAttention:
+        """Sum, for every boundary, what the blocks after it give each token (a reverse running sum)."""
+        for layer, blocks in self._received.items():
+            blocks = sorted(blocks, key=lambda item: item[0])
+            running = torch.zeros_like(blocks[-1][1])
+            for seen, received in reversed(blocks):
+                self._future[(layer, seen)] = running[:, :seen].clone()
+                running[:, :seen] += received
+        return self
+
+    @property
+    def boundaries(self) -> list[int]:
+        """The token counts at which a future mass is known (the ends of the recorded blocks)."""
+        return sorted({seen for (_, seen) in self._future})
+
+    def at(self, layer: int, seen: int, positions: torch.Tensor) -> torch.Tensor:
+        """``(B, H_kv, N)`` future mass of the tokens at ``positions`` (``-1`` = padding, mass 0) when ``layer``
+        has seen ``seen`` tokens."""
+        if not self._future and self._received:
+            self.finish()
+        future = self._future.get((layer, seen))
+        if future is None:
+            raise ValueError(
+                f"no future attention recorded for layer {layer} after {seen} tokens: the oracle can only evict at "
+                "the block boundaries of the teacher-forced text it was recorded on"
+            )
+        index = positions.clamp_min(0).cpu()
+        mass = future.unsqueeze(0).expand(index.shape[0], -1, -1).gather(2, index)
+        return mass.masked_fill(positions.cpu() < 0, 0.0).to(positions.device, torch.float64)
