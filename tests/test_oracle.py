@@ -14,6 +14,7 @@ from caote.evaluation import runner
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.lockstep import lockstep, reference_pass, skippable_blocks
 from caote.evaluation.rows import VOLATILE_FIELDS, load_rows, read_rows
+from caote.evaluation.tasks import Text
 
 BLOCK = 32
 BUDGET = 48
@@ -130,7 +131,7 @@ def test_every_policy_row_is_saved_as_soon_as_it_is_computed(llama, tokenizer, t
         block_size=16,
         progress=False,
     )
-    texts = [("text-a", 150, text), ("text-b", 150, text + " more")]
+    texts = [Text("text-a", 150, text, "a"), Text("text-b", 150, text + " more", "b")]
     model = tiny_model("llama", vocab_size=49152)
     real_track, calls = lockstep_module.track, []
 

@@ -18,7 +18,7 @@ from caote.policies import expand_policies, parse_policy
 
 SPLITS = ("dev", "test")
 DEFAULT_POLICIES = "paper"  # when --policies is not given (report: the grid's own, if it has some)
-GRID_NAMES = ("try", "quick", "full")  # `caote.evaluation.grids.GRIDS`
+GRID_NAMES = ("try", "quick", "standard", "full")  # `caote.evaluation.grids.GRIDS`
 
 
 @dataclass

@@ -122,6 +122,30 @@ def haystack(tokenizer, n_tokens: int, split: str = "test", seed: int = 0, kind:
     return truncate_to_tokens(tokenizer, text, n_tokens).strip()
 
 
+def essay_excerpts(tokenizer, n_tokens: int, count: int, split: str = "test", seed: int = 0) -> list[tuple[str, str]]:
+    """``count`` excerpts of at most ``n_tokens`` tokens as ``(essay, text)`` (essay: the file's stem), each from the
+    start of a *distinct* essay of ``split`` at least ``n_tokens`` long, in an order shuffled by ``seed``. When fewer
+    essays are long enough, the essays twice that long give a second excerpt, the one right after their first (no
+    overlap); the essay stays the unit that intervals resample."""
+    folder = str(essay_dir())
+    long = [(name, _read_essay(folder, name)) for name in essay_names(split)]
+    long = [(name, text) for name, text in long if count_tokens(tokenizer, text) >= n_tokens]
+    random.Random(seed).shuffle(long)
+    excerpts = []
+    for name, text in long:
+        excerpts.append((Path(name).stem, truncate_to_tokens(tokenizer, text, n_tokens)))
+    for name, text in long:
+        rest = text[len(truncate_to_tokens(tokenizer, text, n_tokens)) :].strip()
+        if count_tokens(tokenizer, rest) >= n_tokens:
+            excerpts.append((Path(name).stem, truncate_to_tokens(tokenizer, rest, n_tokens)))
+    if len(excerpts) < count:
+        raise ValueError(
+            f"the {split} split has {len(excerpts)} non-overlapping excerpts of {n_tokens} tokens, not {count}; "
+            "ask for fewer texts or shorter ones"
+        )
+    return excerpts[:count]
+
+
 def _shuffled_essays(tokenizer, n_tokens: int, split: str, seed: int) -> str:
     texts = essays(split)
     if not texts:

@@ -60,6 +60,20 @@ QUICK_GRID = Grid(
         GridPart("ruler", lengths=(1024,), samples=1, subtasks=("niah_multikey", "variable_tracking")),
     ),
 )
+# standard (docs/results.md): the grid whose intervals separate policies: 20 excerpts of distinct essays for PPL / KL
+# / fidelity (the essay is the bootstrap unit), 10 NIAH examples per policy x budget cell and question protocol,
+# every paper policy plus the oracle ceiling (texts only) at three budgets; RULER stays out while the full cache
+# scores 0 on it with the bundled model. Hours on two cores: it saves every row and resumes.
+STANDARD_GRID = Grid(
+    "standard",
+    budgets=(128, 256, 512),
+    max_new_tokens=16,
+    parts=(
+        GridPart("perplexity", lengths=(1024,), samples=20),
+        GridPart("niah", lengths=(1024,), samples=2, depths=(10, 30, 50, 70, 90)),
+    ),
+    policies=tuple(expand_policies("paper")) + ("oracle",),
+)
 FULL_GRID = Grid(
     "full",
     budgets=(128, 256, 512),
@@ -102,7 +116,7 @@ def part_configs(grid: Grid, config: EvalConfig, runs: Path) -> dict[str, EvalCo
     }
 
 
-GRIDS = {grid.name: grid for grid in (TRY_GRID, QUICK_GRID, FULL_GRID)}
+GRIDS = {grid.name: grid for grid in (TRY_GRID, QUICK_GRID, STANDARD_GRID, FULL_GRID)}
 
 
 def planned_rows(configs: dict[str, EvalConfig]) -> dict[str, int]:

@@ -1,35 +1,34 @@
 """The perplexity / KL / fidelity tasks: Paul Graham essay excerpts read in lockstep with the full cache.
 
-The texts are essays of the chosen split (`caote.evaluation.data.haystack`, shuffled by seed); every policy x
-budget of a text runs in one `caote.evaluation.lockstep` pass, which measures PPL, KL from the full cache and the
-attention-output fidelity together. ``perplexity`` reports all three, ``fidelity`` only the last.
+The texts are excerpts of distinct essays of the chosen split (`caote.evaluation.data.essay_excerpts`, ordered by
+seed); every policy x budget of a text is compared with one full-cache pass over it (`caote.evaluation.lockstep`),
+which measures PPL, KL from the full cache and the attention-output fidelity together. ``perplexity`` reports all
+three, ``fidelity`` only the last.
 """
 
 from __future__ import annotations
 
-from caote.evaluation.data import haystack
+from caote.evaluation.data import essay_excerpts
 from caote.evaluation.reference import FULL
-from caote.evaluation.tasks import MetricSpec, Task, joined
+from caote.evaluation.tasks import MetricSpec, Task, Text, joined
 
 DEFAULT_TEXTS = 2
 
 
-def texts(
-    tokenizer, lengths: list[int], samples: int, split: str = "test", seed: int = 0
-) -> list[tuple[str, int, str]]:
-    """``(id, length, text)`` triples: ``samples`` essay excerpts of each length (tokens), shuffled by ``seed + i``."""
-    return [
-        (
-            f"essays-{split}-{length}-seed{seed + index}",
-            length,
-            haystack(tokenizer, length, split=split, seed=seed + index, kind="essays"),
-        )
-        for length in lengths
-        for index in range(samples)
-    ]
+def texts(tokenizer, lengths: list[int], samples: int, split: str = "test", seed: int = 0) -> list[Text]:
+    """``samples`` excerpts of each length (tokens), one per distinct essay while there are enough (see
+    `essay_excerpts`), ids ``essay-<name>-<length>`` (``-2`` for an essay's second excerpt)."""
+    result = []
+    for length in lengths:
+        seen = set()
+        for essay, text in essay_excerpts(tokenizer, length, samples, split, seed):
+            text_id = f"essay-{essay}-{length}" + ("-2" if essay in seen else "")
+            seen.add(essay)
+            result.append(Text(text_id, length, text, essay))
+    return result
 
 
-def config_texts(config, tokenizer) -> list[tuple[str, int, str]]:
+def config_texts(config, tokenizer) -> list[Text]:
     """`texts` of the config's lengths, split and seed (`DEFAULT_TEXTS` per length unless ``config.samples``)."""
     return texts(tokenizer, config.lengths, config.samples or DEFAULT_TEXTS, config.split, config.seed)
 
@@ -41,8 +40,8 @@ def count(config) -> int:
 def describe(config, rows: list[dict]) -> str:
     full_ppl = [row["ppl_full"] for row in rows if row["policy"] == FULL]
     return (
-        f"Perplexity / KL / fidelity: {config.samples or DEFAULT_TEXTS} Paul Graham essay excerpts ({config.split} "
-        f"split) of {joined(config.lengths)} tokens, each policy in lockstep with the full cache ({len(rows)} rows). "
+        f"Perplexity / KL / fidelity: {config.samples or DEFAULT_TEXTS} excerpts of distinct Paul Graham essays "
+        f"({config.split} split) of up to {joined(config.lengths)} tokens, each policy in lockstep with the full cache ({len(rows)} rows). "
         "Full-cache PPL per text: " + ", ".join(f"{ppl:.2f}" for ppl in full_ppl) + "."
     )
 

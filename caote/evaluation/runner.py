@@ -26,6 +26,7 @@ from caote.evaluation.lockstep import lockstep_results
 from caote.evaluation.metrics import score_example
 from caote.evaluation.reference import FULL, cache_budget, with_reference
 from caote.evaluation.registry import TASKS
+from caote.evaluation.tasks import Text
 from caote.evaluation.rows import RowStore, code_commit, row_key
 from caote.generation import generate_ids
 
@@ -193,7 +194,7 @@ def run_examples(
 
 
 def run_texts(
-    config: EvalConfig, model, tokenizer, texts: list[tuple[str, int, str]], rank: int = 0, world: int = 1, bar=None
+    config: EvalConfig, model, tokenizer, texts: list[Text], rank: int = 0, world: int = 1, bar=None
 ) -> int:
     """Rows of a texts task for this process's share of ``texts``: one full-cache pass per text with a pending row,
     then every pending policy x budget against it, each row saved as soon as it is computed (a killed run keeps
@@ -207,7 +208,7 @@ def run_texts(
         bar = progress_bar(len(mine) * len(runs), f"{config.benchmark} [{rank}]", config.progress, rank)
     written = 0
     commit = code_commit()
-    for text_id, length, text in mine:
+    for text_id, length, text, unit in mine:
         pending = [run for run in runs if row_key(config.model, text_id, *run) not in store]
         bar.update(len(runs) - len(pending))
         if not pending:
@@ -225,6 +226,7 @@ def run_texts(
                     "split": config.split,
                     "seed": config.seed,
                     "meta": {"length": length},
+                    "unit": unit,
                     "rank": rank,
                     "num_processes": world,
                     "commit": commit,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from caote.evaluation.examples import Example
 
@@ -38,12 +39,22 @@ class MetricSpec:
     blocks_label: str | None = None
 
 
+class Text(NamedTuple):
+    """One text of a texts task: ``unit`` is what intervals resample (its essay: two excerpts of one essay are not
+    independent)."""
+
+    id: str
+    length: int
+    text: str
+    unit: str
+
+
 @dataclass(frozen=True)
 class Task:
     """A benchmark of ``caote eval``: its inputs, its metrics and how it shows in the report.
 
     Exactly one of ``examples`` (``(config, tokenizer) -> list[Example]``) and ``texts`` (``(config, tokenizer) ->
-    [(id, length, text)]``) is set; ``config`` is a `caote.evaluation.config.EvalConfig`. ``count(config)`` is how
+    [Text]``) is set; ``config`` is a `caote.evaluation.config.EvalConfig`. ``count(config)`` is how
     many examples or texts a complete run has (None when only the data knows). ``describe(config, rows)`` is the
     task's line in the Setup section of docs/results.md. ``subtasks``: the names ``--tasks`` accepts (summaries then
     add one table per sub-task). ``figures``: extra plots by name in `caote.evaluation.plots.FIGURES`.
@@ -53,7 +64,7 @@ class Task:
     title: str
     metrics: tuple[MetricSpec, ...]
     examples: Callable[..., list[Example]] | None = None
-    texts: Callable[..., list[tuple[str, int, str]]] | None = None
+    texts: Callable[..., list[Text]] | None = None
     count: Callable[..., int] | None = None
     describe: Callable[..., str] | None = None
     subtasks: tuple[str, ...] = ()
