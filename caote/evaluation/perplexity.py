@@ -41,7 +41,8 @@ def describe(config, rows: list[dict]) -> str:
     full_ppl = [row["ppl_full"] for row in rows if row["policy"] == FULL]
     return (
         f"Perplexity / KL / fidelity: {config.samples or DEFAULT_TEXTS} excerpts of distinct Paul Graham essays "
-        f"({config.split} split) of up to {joined(config.lengths)} tokens, each policy in lockstep with the full cache ({len(rows)} rows). "
+        f"({config.split} split) of up to {joined(config.lengths)} tokens, each policy against one full-cache pass "
+        f"({len(rows)} rows). "
         "Full-cache PPL per text: " + ", ".join(f"{ppl:.2f}" for ppl in full_ppl) + "."
     )
 

@@ -26,8 +26,8 @@ from caote.evaluation.lockstep import lockstep_results
 from caote.evaluation.metrics import score_example
 from caote.evaluation.reference import FULL, cache_budget, with_reference
 from caote.evaluation.registry import TASKS
-from caote.evaluation.tasks import Text
 from caote.evaluation.rows import RowStore, code_commit, row_key
+from caote.evaluation.tasks import Text
 from caote.generation import generate_ids
 
 
@@ -193,9 +193,7 @@ def run_examples(
 # -- texts tasks -----------------------------------------------------------------------------------------------------
 
 
-def run_texts(
-    config: EvalConfig, model, tokenizer, texts: list[Text], rank: int = 0, world: int = 1, bar=None
-) -> int:
+def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int = 0, world: int = 1, bar=None) -> int:
     """Rows of a texts task for this process's share of ``texts``: one full-cache pass per text with a pending row,
     then every pending policy x budget against it, each row saved as soon as it is computed (a killed run keeps
     every finished row). ``bar`` (see `run_rows`) advances per row saved or found done."""
