@@ -227,6 +227,7 @@ class EvictionCache(Cache):
         self._held_bytes = [0] * len(self.layers)  # per layer, as last accounted: a running total, not a sum per call
         self._total_bytes = 0
         self._mask_seen: tuple[weakref.ref, torch.Tensor | None] | None = None
+        self.frozen = False
         self._switch = ForwardSwitch(model, self)
 
     def __repr__(self):
@@ -262,9 +263,16 @@ class EvictionCache(Cache):
                 "call cache.reset() or build a new EvictionCache for every generate call"
             )
 
+    def freeze(self) -> None:
+        """Stop evicting: every later token is kept, so the cache grows past the budget. This is kvpress's question
+        protocol (compress the context, then let the question and the answer grow the cache uncompressed); a cache
+        that is never frozen holds at most ``budget`` tokens throughout. `reset` unfreezes."""
+        self.frozen = True
+
     def reset(self) -> None:
         """Forget every token and all scoring state, ready for a new sequence."""
         super().reset()
+        self.frozen = False
         self._peak_kv_bytes = self._total_bytes = 0
         self._held_bytes = [0] * len(self.layers)
         self._generator = None
@@ -333,7 +341,7 @@ class EvictionCache(Cache):
             )
         real = self._real_slots(attention_mask, layer.keys)
         self._record_positions(layer, kwargs, real)
-        if not self.policy.evicts:
+        if not self.policy.evicts or self.frozen:
             return
         self._record_attention(layer, module, queries, attention_mask, kwargs, real)
         if layer.retained <= self.budget:

@@ -13,6 +13,12 @@ The context is prefilled once, block by block, into an `EvictionCache` (so its m
 the compressed state is snapshotted, and each question is answered by a greedy loop from that snapshot, which is
 restored before the next question. The prefill therefore runs once however many questions there are.
 
+What the budget covers (``compress``): by default (``"all"``) the cache keeps evicting while it reads the question
+and writes the answer, so memory never exceeds the budget, and the context keeps about a question's length fewer
+tokens. ``compress="context"`` is kvpress's behaviour: the context is compressed to the budget, then the question
+and the answer grow the cache uncompressed (memory reaches budget + question + answer). Compare policies with
+kvpress's numbers under ``"context"``.
+
 Chat templates are handled like kvpress: the template is applied to ``context + SEPARATOR`` and split at the
 separator, so the template's head (system prompt, user header) goes with the context and its tail (end of turn,
 assistant header) goes after every question.
@@ -28,6 +34,7 @@ from caote.cache import DEFAULT_BLOCK_SIZE, EvictionCache
 from caote.generation import CACHE_ARGUMENTS, check_length, check_settings
 
 TASK = "caote-text-generation"
+COMPRESS = ("all", "context")  # what the budget covers: context, question and answer; or the context only (kvpress)
 SEPARATOR = "\n\n<<<caote-question-separator>>>\n\n"
 
 
@@ -49,10 +56,11 @@ class CaoteTextGenerationPipeline(Pipeline):
     """Answer one or more questions about a context from a single compressed prefill.
 
     Call: ``pipe(context, question=None, questions=None, budget=512, policy="tova+caote", block_size=128,
-    max_new_tokens=50, answer_prefix="", chat=None, return_stats=False, sink_tokens=..., recent_window=..., gqa=...,
-    seed=...)``. Returns ``{"answer": str}`` for ``question`` (or none) and ``{"answers": [str, ...]}`` for
-    ``questions``; with ``return_stats=True`` also ``"stats"``: the `CacheStats` after the context and after each
-    answer. ``chat=None`` uses the chat template when the tokenizer has one. Decoding is greedy, batch size 1.
+    max_new_tokens=50, answer_prefix="", chat=None, compress="all", return_stats=False, sink_tokens=...,
+    recent_window=..., gqa=..., seed=...)``. Returns ``{"answer": str}`` for ``question`` (or none) and
+    ``{"answers": [str, ...]}`` for ``questions``; with ``return_stats=True`` also ``"stats"``: the `CacheStats`
+    after the context and after each answer. ``chat=None`` uses the chat template when the tokenizer has one.
+    ``compress``: what the budget covers (see the module docstring). Decoding is greedy, batch size 1.
     """
 
     _load_processor = False
@@ -70,6 +78,7 @@ class CaoteTextGenerationPipeline(Pipeline):
         policy: str = "tova+caote",
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_new_tokens: int = 50,
+        compress: str = "all",
         return_stats: bool = False,
         **kwargs,
     ):
@@ -81,6 +90,8 @@ class CaoteTextGenerationPipeline(Pipeline):
             )
         if question is not None and questions is not None:
             raise ValueError("give either question or questions, not both")
+        if compress not in COMPRESS:
+            raise ValueError(f"compress must be one of {', '.join(map(repr, COMPRESS))}, got {compress!r}")
         if questions is not None:
             if isinstance(questions, str) or not questions or not all(isinstance(q, str) for q in questions):
                 raise ValueError("questions must be a non-empty list of strings")
@@ -97,6 +108,7 @@ class CaoteTextGenerationPipeline(Pipeline):
             "policy": policy,
             "block_size": block_size,
             "max_new_tokens": max_new_tokens,
+            "compress": compress,
             "cache_kwargs": cache_kwargs,
         }
         postprocess = {"single": questions is None, "return_stats": return_stats}
@@ -126,6 +138,7 @@ class CaoteTextGenerationPipeline(Pipeline):
         policy="tova+caote",
         block_size=DEFAULT_BLOCK_SIZE,
         max_new_tokens=50,
+        compress="all",
         cache_kwargs=None,
     ):
         context_ids = model_inputs["context_ids"]
@@ -135,6 +148,8 @@ class CaoteTextGenerationPipeline(Pipeline):
         cache = EvictionCache(self.model, budget=budget, policy=policy, block_size=block_size, **(cache_kwargs or {}))
         with cache:
             context_logits = self._feed(context_ids, cache, block_size)
+            if compress == "context":
+                cache.freeze()
             stats = [cache.stats()]
             snapshot = cache.snapshot()
             answers = []

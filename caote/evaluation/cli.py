@@ -85,11 +85,22 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         "task",
     ),
     (
+        ("--protocols",),
+        {
+            "default": None,
+            "help": "niah: comma list of question protocols: in-prompt (the question in the last prompt block, "
+            "default), question-after (context compressed, then question and answer uncompressed, as kvpress), "
+            "question-after-bounded (the question and answer evicted too)",
+        },
+        "task",
+    ),
+    (
         ("--grid",),
         {
             "default": None,
             "help": "try (full cache vs 5 main policies at b=128/256, NIAH + KL: ~7 min on 2 idle cores), quick "
-            "(the 31 settings of docs/results.md: ~25 min) or full (hours) (default: full)",
+            "(31 settings, 2 texts: ~25 min), standard (docs/results.md: 20 texts, 10 NIAH examples per cell and "
+            "protocol, with the oracle: hours, resumable) or full (default: full)",
         },
         "report",
     ),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from caote.arguments import parse_int, parse_int_list
 from caote.cache import DEFAULT_BLOCK_SIZE
+from caote.evaluation.examples import PROTOCOLS
 from caote.evaluation.registry import BENCHMARKS, REPORT, TASKS
 from caote.generation import check_settings
 from caote.policies import expand_policies, parse_policy
@@ -38,6 +39,7 @@ class EvalConfig:
     data_dir: Path | None = None
     tasks: list[str] | None = None
     depths: list[float] | None = None
+    protocols: list[str] | None = None  # niah: `caote.evaluation.examples.PROTOCOLS` (None: in-prompt)
     quick: bool = False
     docs: Path | None = None  # report: write <docs>/results.md and rows under <docs>/results/runs (None: only out)
     grid: str = "full"  # report: the grid (`caote.evaluation.grids.GRIDS`)
@@ -133,6 +135,14 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
             raise ValueError(f"--depths: {args.depths!r} is not a comma list of numbers") from None
         if not depths or any(not 0 <= d <= 100 for d in depths):
             raise ValueError(f"--depths: {args.depths!r} must be percentages in 0..100")
+    protocols = None
+    if getattr(args, "protocols", None):
+        protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+        unknown = [p for p in protocols if p not in PROTOCOLS]
+        if unknown or not protocols:
+            raise ValueError(f"--protocols: unknown {unknown} (choose from {', '.join(PROTOCOLS)})")
+        if benchmark != "niah":
+            raise ValueError("--protocols applies to 'niah' only")
     max_new_tokens = None if args.max_new_tokens is None else _int_list("--max-new-tokens", args.max_new_tokens)[0]
     threads = None if args.threads is None else _int_list("--threads", args.threads)[0]
     default_out = Path("results") / (f"{REPORT}-{grid}" if benchmark == REPORT else benchmark)
@@ -150,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         data_dir=data_dir,
         tasks=tasks,
         depths=depths,
+        protocols=protocols,
         max_new_tokens=max_new_tokens,
         threads=threads,
         summarise_only=bool(args.summarise_only),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from caote.evaluation.claims import claims, claims_table
 from caote.evaluation.grids import Grid
 from caote.evaluation.reference import FULL
 from caote.evaluation.registry import TASKS
@@ -146,6 +147,14 @@ def write_results_md(
         "(‖O − O_full‖/‖O_full‖, mean over layers): lower is better, over the essay texts.",
         "",
         headline_table(summaries),
+        "",
+        "## Claims",
+        "",
+        "Each claim is decided by paired 95 % intervals over independent units (essays, NIAH examples) at every "
+        "budget: reproduced when the interval favours it at every budget, refuted when it never does and goes "
+        "against it somewhere, inconclusive otherwise.",
+        "",
+        claims_table(claims(rows)),
         "",
         "## Where CAOTE helps and where it does not",
         "",

@@ -20,6 +20,7 @@ class GridPart:
     samples: int
     subtasks: tuple[str, ...] | None = None
     depths: tuple[float, ...] | None = None
+    protocols: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ STANDARD_GRID = Grid(
     max_new_tokens=16,
     parts=(
         GridPart("perplexity", lengths=(1024,), samples=20),
-        GridPart("niah", lengths=(1024,), samples=2, depths=(10, 30, 50, 70, 90)),
+        GridPart(
+            "niah", lengths=(1024,), samples=2, depths=(10, 30, 50, 70, 90), protocols=("in-prompt", "question-after")
+        ),
     ),
     policies=tuple(expand_policies("paper")) + ("oracle",),
 )
@@ -109,6 +112,7 @@ def part_configs(grid: Grid, config: EvalConfig, runs: Path) -> dict[str, EvalCo
             out=runs / part.task,
             tasks=list(part.subtasks) if part.subtasks else None,
             depths=list(part.depths) if part.depths else None,
+            protocols=list(part.protocols) if part.protocols else None,
             progress=config.progress,
             max_new_tokens=grid.max_new_tokens,
         )

@@ -133,11 +133,13 @@ def niah_example(
     filler: str = "repeat",
     max_new_tokens: int = 16,
     index: int = 0,
+    protocol: str = "in-prompt",
 ) -> Example:
     """One needle-in-a-haystack `Example` of about ``context_length`` prompt tokens with the needle at ``depth`` %.
 
     ``filler``: ``"repeat"`` (the grass-is-green filler; what the bundled 135M model can solve) or ``"essays"``
-    (Paul Graham essays of ``split``). ``seed`` and ``index`` fix the needle's value and the essay order.
+    (Paul Graham essays of ``split``). ``seed`` and ``index`` fix the needle's value and the essay order;
+    ``protocol`` (`caote.evaluation.examples.PROTOCOLS`) says whether the question is compressed with the context.
     """
     spec = NEEDLES[needle]
     rng = random.Random(f"niah:{seed}:{needle}:{context_length}:{depth}:{index}")
@@ -160,11 +162,13 @@ def niah_example(
         split=split,
         actual_depth=round(actual_depth, 2),
         seed=seed,
+        protocol=protocol,
         prompt_tokens=prompt_token_count(tokenizer, messages, spec.answer_prefix),
         filler_tokens=count_tokens(tokenizer, filler_text),
     )
     return Example(
-        id=f"{NAME}/{needle}/{filler}/len{context_length}/depth{depth:g}/seed{seed}/{index}",
+        id=f"{NAME}/{needle}/{filler}/len{context_length}/depth{depth:g}/seed{seed}/{index}"
+        + ("" if protocol == "in-prompt" else f"/{protocol}"),
         task=NAME,
         messages=messages,
         answers=(value,),
@@ -172,6 +176,8 @@ def niah_example(
         max_new_tokens=max_new_tokens,
         answer_prefix=spec.answer_prefix,
         meta=meta,
+        question=spec.question,
+        protocol=protocol,
     )
 
 
@@ -185,17 +191,19 @@ def niah_examples(
     split: str = "test",
     filler: str = "repeat",
     max_new_tokens: int = 16,
+    protocols: Sequence[str] = ("in-prompt",),
 ) -> list[Example]:
-    """The full grid: for each context length, depth, needle and sample index, one `niah_example`."""
+    """The full grid: for each context length, depth, needle, sample index and protocol, one `niah_example`."""
     unknown = sorted(set(needles) - set(NEEDLES))
     if unknown:
         raise ValueError(f"unknown needles {unknown}; expected some of {sorted(NEEDLES)}")
     return [
-        niah_example(tokenizer, length, depth, needle, seed, split, filler, max_new_tokens, index)
+        niah_example(tokenizer, length, depth, needle, seed, split, filler, max_new_tokens, index, protocol)
         for length in context_lengths
         for depth in depths
         for needle in needles
         for index in range(samples_per_cell)
+        for protocol in protocols
     ]
 
 
@@ -214,18 +222,20 @@ def examples(config, tokenizer) -> list[Example]:
         samples_per_cell=config.samples or 1,
         seed=config.seed,
         split=config.split,
+        protocols=config.protocols or ("in-prompt",),
     )
 
 
 def count(config) -> int:
-    return len(config.lengths) * len(config.depths or DEFAULT_DEPTHS) * (config.samples or 1)
+    protocols = len(config.protocols or ("in-prompt",))
+    return len(config.lengths) * len(config.depths or DEFAULT_DEPTHS) * (config.samples or 1) * protocols
 
 
 def describe(config, rows: list[dict]) -> str:
     return (
         f"NIAH: passkey in repetitive filler, context {joined(config.lengths)} tokens × depths "
-        f"{joined(config.depths or DEFAULT_DEPTHS, '%')} × {config.samples or 1} sample(s); substring match "
-        f"({len(rows)} rows)."
+        f"{joined(config.depths or DEFAULT_DEPTHS, '%')} × {config.samples or 1} sample(s) × protocol "
+        f"{joined(config.protocols or ('in-prompt',))}; substring match ({len(rows)} rows)."
     )
 
 

@@ -39,8 +39,11 @@ def count(config) -> int:
 
 def describe(config, rows: list[dict]) -> str:
     full_ppl = [row["ppl_full"] for row in rows if row["policy"] == FULL]
+    texts = "excerpts of distinct Paul Graham essays"
+    if rows and not all(row.get("unit") for row in rows):  # rows written before texts were distinct essays
+        texts = "Paul Graham essay excerpts (seeded shuffles of the split, which can repeat essays)"
     return (
-        f"Perplexity / KL / fidelity: {config.samples or DEFAULT_TEXTS} excerpts of distinct Paul Graham essays "
+        f"Perplexity / KL / fidelity: {config.samples or DEFAULT_TEXTS} {texts} "
         f"({config.split} split) of up to {joined(config.lengths)} tokens, each policy against one full-cache pass "
         f"({len(rows)} rows). "
         "Full-cache PPL per text: " + ", ".join(f"{ppl:.2f}" for ppl in full_ppl) + "."

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from caote.cache import DEFAULT_BLOCK_SIZE
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.data import prompt_text
-from caote.evaluation.examples import Example
+from caote.evaluation.examples import PROTOCOLS, Example
 from caote.evaluation.lockstep import lockstep_results
 from caote.evaluation.metrics import score_example
 from caote.evaluation.reference import FULL, cache_budget, with_reference
@@ -29,6 +29,7 @@ from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import RowStore, code_commit, row_key
 from caote.evaluation.tasks import Text
 from caote.generation import generate_ids
+from caote.pipeline import CaoteTextGenerationPipeline
 
 
 def progress_bar(total: int, description: str, enabled: bool, rank: int):
@@ -101,6 +102,28 @@ def answer(
     }
 
 
+def answer_after_context(
+    pipe, example: Example, policy: str, budget: int | None, max_new_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[str, dict]:
+    """Greedy answer under a question-after protocol: the context compressed first, then the question appended
+    (uncompressed or within the budget, as `caote.evaluation.examples.PROTOCOLS` says), through the
+    ``caote-text-generation`` pipeline ``pipe``."""
+    output = pipe(
+        example.context(),
+        question=example.question,
+        answer_prefix=example.answer_prefix,
+        chat=False if example.meta.get("raw_prompt") else None,
+        budget=cache_budget(budget),
+        policy=policy,
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        compress=PROTOCOLS[example.protocol],
+        return_stats=True,
+    )
+    stats = output["stats"][-1]
+    return output["answer"], {"tokens_kept": stats.tokens_kept, "peak_kv_bytes": stats.peak_kv_bytes}
+
+
 def run_examples(
     model,
     tokenizer,
@@ -138,6 +161,7 @@ def run_examples(
     written = 0
     commit = code_commit()
     ids_cache: dict[str, torch.Tensor] = {}
+    pipe = None
     for example, policy, budget in work:
         key = row_key(model_name, example.id, policy, budget)
         if key in store:
@@ -151,8 +175,12 @@ def run_examples(
         started = time.perf_counter()
         if budget is not None and full_row is not None and budget >= input_ids.shape[1] + new_tokens:
             prediction, stats, evicted = full_row["prediction"], {}, False
-        else:
+        elif example.protocol == "in-prompt":
             prediction, stats = answer(model, tokenizer, input_ids, policy, budget, new_tokens, block_size)
+            evicted = budget is not None
+        else:
+            pipe = pipe or CaoteTextGenerationPipeline(model=model, tokenizer=tokenizer)
+            prediction, stats = answer_after_context(pipe, example, policy, budget, new_tokens, block_size)
             evicted = budget is not None
         row = {
             "key": key,
@@ -160,6 +188,7 @@ def run_examples(
             "model": model_name,
             "example_id": example.id,
             "task": example.task,
+            "protocol": example.protocol,
             "policy": policy,
             "budget": budget,
             "block_size": block_size,

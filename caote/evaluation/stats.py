@@ -1,50 +1,56 @@
-"""95 % intervals of means: Wilson for hit-or-miss scores, percentile bootstrap otherwise, paired bootstrap for
-differences.
+"""95 % intervals of means from `scipy.stats`: Wilson for hit-or-miss scores, percentile bootstrap otherwise, paired
+bootstrap for differences, each over independent units.
 
 * a mean of hit-or-miss scores (a metric declared ``binary``, e.g. NIAH's substring match) gets the **Wilson score
-  interval**;
-* any other mean (RULER's string_match_all fractions, PPL deltas, KL, fidelity) gets a **percentile bootstrap** over
-  examples (2,000 resamples, fixed seed); with fewer than 2 examples the interval is the single value;
-* a variant against its plain base is a **paired bootstrap** of the per-example differences (same examples, same
-  budget), which is much tighter than comparing two independent intervals.
+  interval** (``scipy.stats.binomtest(...).proportion_ci(method="wilson")``);
+* any other mean (RULER's string_match_all fractions, PPL deltas, KL, fidelity) gets a **percentile bootstrap**
+  (``scipy.stats.bootstrap``, 2,000 resamples, fixed seed); with fewer than 2 values, or all equal, the interval is
+  the single value;
+* a difference (a variant against its plain base, any policy against the best base) is a **paired bootstrap** of
+  the per-unit differences (same units, same budget), which is much tighter than two independent intervals.
+
+The unit is whatever is independent: an example, or a text's essay (two excerpts of one essay are averaged first).
 """
 
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 
-Z95 = 1.959963984540054
 BOOTSTRAP_RESAMPLES = 2000
 
 
-def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion ``successes / n``."""
+def wilson_interval(successes: float, n: int) -> tuple[float, float]:
+    """95 % Wilson score interval of a binomial proportion ``successes / n``."""
+    from scipy.stats import binomtest  # the eval extra; importing it costs a moment
+
     if n <= 0:
         return (math.nan, math.nan)
-    p = successes / n
-    denominator = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    # clamp to [0, 1] and keep the estimate inside despite rounding (p = 1 gives a high end of 0.9999...)
-    return (max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half)))
+    interval = binomtest(int(round(successes)), n).proportion_ci(confidence_level=0.95, method="wilson")
+    p = successes / n  # keep the estimate inside despite rounding
+    return (max(0.0, min(p, float(interval.low))), min(1.0, max(p, float(interval.high))))
 
 
 def bootstrap_interval(
     values: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0, level: float = 0.95
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of ``values``."""
-    n = len(values)
-    if n == 0:
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    if not values:
         return (math.nan, math.nan)
-    if n == 1:
+    if len(values) == 1 or min(values) == max(values):
         return (values[0], values[0])
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
-    low_index = int(math.floor((1 - level) / 2 * resamples))
-    high_index = min(resamples - 1, int(math.ceil((1 + level) / 2 * resamples)) - 1)
-    return (means[low_index], means[high_index])
+    result = bootstrap(
+        (np.asarray(values, dtype=np.float64),),
+        np.mean,
+        n_resamples=resamples,
+        confidence_level=level,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
+    return (float(result.confidence_interval.low), float(result.confidence_interval.high))
 
 
 @dataclass

@@ -23,16 +23,18 @@ def policy_order(policies) -> list[str]:
 
 
 def values_by_cell(rows: list[dict], field: str, task: str | None = None) -> dict[tuple[str, int | None], dict]:
-    """``{(policy, budget): {example_id: value}}`` for ``field`` (optionally one task only)."""
-    cells: dict[tuple[str, int | None], dict] = defaultdict(dict)
+    """``{(policy, budget): {unit: value}}`` for ``field`` (optionally one task only). The unit is the row's
+    ``unit`` (a text's essay) or else its example: rows sharing a unit are averaged, since they are not
+    independent."""
+    grouped: dict[tuple[str, int | None], dict] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if task is not None and row.get("task") != task:
             continue
         value = row.get(field)
         if value is None:
             continue
-        cells[(row["policy"], row["budget"])][row["example_id"]] = float(value)
-    return cells
+        grouped[(row["policy"], row["budget"])][row.get("unit") or row["example_id"]].append(float(value))
+    return {cell: {unit: sum(v) / len(v) for unit, v in units.items()} for cell, units in grouped.items()}
 
 
 def summary_records(rows: list[dict], metric: MetricSpec, benchmark: str, task: str | None = None) -> list[dict]:
@@ -84,12 +86,26 @@ def variants() -> list[tuple[str, str]]:
     return [tuple(name.split("+")) for name in expand_policies("paper") if "+" in name]
 
 
-def comparison_records(rows: list[dict], metric: MetricSpec, benchmark: str, task: str | None = None) -> list[dict]:
-    """Base+CAOTE / +FastCAOTE minus the plain base, paired per example (per text block when the metric has a
-    per-block series in the rows: NLL per token for PPL, KL, fidelity), at every budget. A verdict needs at least
-    `MIN_PAIRED_UNITS` pairs."""
-    field, higher_is_better = metric.name, metric.higher_is_better
-    block_field = metric.blocks if metric.blocks and any(r.get(metric.blocks) for r in rows) else None
+def verdict(est: Estimate, higher_is_better: bool) -> str:
+    """``helps`` / ``hurts`` when the paired 95 % interval excludes zero, else ``no clear difference``; a verdict
+    needs at least `MIN_PAIRED_UNITS` pairs."""
+    if est.n < MIN_PAIRED_UNITS:
+        return f"too few pairs (n < {MIN_PAIRED_UNITS})"
+    better = est.low > 0 if higher_is_better else est.high < 0
+    worse = est.high < 0 if higher_is_better else est.low > 0
+    return "helps" if better else "hurts" if worse else "no clear difference"
+
+
+def comparison_records(
+    rows: list[dict], metric: MetricSpec, benchmark: str, task: str | None = None, blocks: bool = False
+) -> list[dict]:
+    """Base+CAOTE / +FastCAOTE minus the plain base at every budget, paired per unit (an example, or a text's
+    essay). ``blocks``: paired per text block instead (the per-block series of PPL / KL / fidelity rows), a
+    secondary view: blocks of one text are correlated, so their intervals are optimistic."""
+    field = metric.name
+    block_field = metric.blocks if blocks and metric.blocks and any(r.get(metric.blocks) for r in rows) else None
+    if blocks and block_field is None:
+        return []
     cells = block_values_by_cell(rows, block_field) if block_field else values_by_cell(rows, field, task)
     budgets = sorted({budget for (_, budget) in cells if budget is not None})
     records = []
@@ -101,17 +117,12 @@ def comparison_records(rows: list[dict], metric: MetricSpec, benchmark: str, tas
             est = paired_difference(treated, plain)
             if est.n == 0:
                 continue
-            better = est.low > 0 if higher_is_better else est.high < 0
-            worse = est.high < 0 if higher_is_better else est.low > 0
-            verdict = "helps" if better else "hurts" if worse else "no clear difference"
-            if est.n < MIN_PAIRED_UNITS:
-                verdict = f"too few pairs (n < {MIN_PAIRED_UNITS})"
             records.append(
                 {
                     "benchmark": benchmark,
                     "task": task or "all",
                     "metric": field,
-                    "unit": "text block" if block_field else "example",
+                    "unit": "text block" if block_field else _unit_name(rows),
                     "compared": (metric.blocks_label or field) if block_field else field,
                     "base": base,
                     "transform": transform,
@@ -120,10 +131,92 @@ def comparison_records(rows: list[dict], metric: MetricSpec, benchmark: str, tas
                     "delta": est.mean,
                     "ci_low": est.low,
                     "ci_high": est.high,
-                    "verdict": verdict,
+                    "verdict": verdict(est, metric.higher_is_better),
                 }
             )
     return records
+
+
+def _unit_name(rows: list[dict]) -> str:
+    return "essay" if any(row.get("unit") for row in rows) else "example"
+
+
+def best_base_records(rows: list[dict], metric: MetricSpec, benchmark: str, task: str | None = None) -> list[dict]:
+    """Every evicting policy minus the best plain base of its budget (the base policy with the best mean, CAOTE
+    variants excluded), paired per unit, with the share of the gap between the best paper policy and the ``oracle``
+    that the policy closes (1: reaches the oracle; negative: worse than the best paper policy)."""
+    cells = values_by_cell(rows, metric.name, task)
+    sign = 1.0 if metric.higher_is_better else -1.0
+    paper = [p for p in expand_policies("paper") if p != FULL]
+    records = []
+    for budget in sorted({budget for (_, budget) in cells if budget is not None}):
+        at = {policy: values for (policy, b), values in cells.items() if b == budget and values}
+
+        def mean(policy):
+            return sum(at[policy].values()) / len(at[policy])
+
+        bases = [p for p in paper if "+" not in p and p in at]
+        papers = [p for p in paper if p in at]
+        if not bases:
+            continue
+        best_base = max(bases, key=lambda p: sign * mean(p))
+        best_paper = max(papers, key=lambda p: sign * mean(p))
+        gap = mean("oracle") - mean(best_paper) if "oracle" in at else None
+        for policy in policy_order(list(at)):
+            if policy == FULL:
+                continue
+            est = paired_difference(at[policy], at[best_base])
+            closed = (mean(policy) - mean(best_paper)) / gap if gap else None
+            records.append(
+                {
+                    "benchmark": benchmark,
+                    "task": task or "all",
+                    "metric": metric.name,
+                    "budget": budget,
+                    "policy": policy,
+                    "best_base": best_base,
+                    "best_paper": best_paper,
+                    "mean": mean(policy),
+                    "n": est.n,
+                    "delta": est.mean,
+                    "ci_low": est.low,
+                    "ci_high": est.high,
+                    "verdict": "reference" if policy == best_base else verdict(est, metric.higher_is_better),
+                    "gap_closed": closed,
+                }
+            )
+    return records
+
+
+def best_base_table(records: list[dict], digits: int = 3) -> str:
+    """Policies as rows, budgets as columns: ``Δ vs best base [CI]`` and the share of the oracle gap closed."""
+    if not records:
+        return "_no comparison (plain bases needed)_"
+    budgets = sorted({r["budget"] for r in records})
+    best = {r["budget"]: r["best_base"] for r in records}
+    lines = [
+        "| policy | " + " | ".join(f"b={b}: Δ vs {best[b]} [95 % CI]; oracle gap closed" for b in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    by_policy: dict[str, dict] = defaultdict(dict)
+    for r in records:
+        by_policy[r["policy"]][r["budget"]] = r
+    for policy in policy_order(list(by_policy)):
+        cells = []
+        for budget in budgets:
+            r = by_policy[policy].get(budget)
+            if r is None:
+                cells.append("–")
+                continue
+            closed = "–" if r["gap_closed"] is None else f"{r['gap_closed']:+.0%}"
+            delta = (
+                "(best base)"
+                if r["verdict"] == "reference"
+                else f"{r['delta']:+.{digits}f} [{r['ci_low']:+.{digits}f}, {r['ci_high']:+.{digits}f}]"
+            )
+            cells.append(f"{delta}; {closed}")
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def markdown_table(records: list[dict], digits: int = 2, title: str = "policy") -> str:

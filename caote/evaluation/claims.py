@@ -1,0 +1,168 @@
+"""The paper's claims that the bundled model can test, and ours, each with the paired interval that decides it.
+
+Every claim is checked at every budget of the grid with a paired bootstrap over independent units (essays for PPL /
+KL, examples for NIAH; `caote.evaluation.stats`). A claim is **reproduced** when the interval favours it at every
+budget, **refuted** when it never favours it and goes against it at one budget or more, **inconclusive** otherwise
+(the evidence column says where it holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from caote.defaults import PAPER_BASES
+from caote.evaluation.stats import Estimate, paired_difference
+from caote.evaluation.tables import MIN_PAIRED_UNITS, values_by_cell
+
+EQUIVALENCE_SHARE = 0.10  # "FastCAOTE ≈ CAOTE": their KL differs by less than 10 % of the plain base's KL
+
+
+@dataclass
+class Claim:
+    """One line of the claims table."""
+
+    claim: str
+    source: str
+    test: str
+    evidence: str
+    verdict: str
+
+
+def _cell(est: Estimate, digits: int = 3) -> str:
+    return f"{est.mean:+.{digits}f} [{est.low:+.{digits}f}, {est.high:+.{digits}f}]"
+
+
+def _verdict(outcomes: dict[int, str]) -> str:
+    """``{budget: "for" | "against" | "unclear"}`` -> the claim's verdict."""
+    if not outcomes:
+        return "not tested (no rows)"
+    if all(outcome == "too few" for outcome in outcomes.values()):
+        return f"inconclusive (fewer than {MIN_PAIRED_UNITS} units)"
+    if all(outcome == "for" for outcome in outcomes.values()):
+        return "reproduced"
+    if "for" not in outcomes.values() and "against" in outcomes.values():
+        return "refuted"
+    return "inconclusive"
+
+
+def _paired_claim(
+    claim: str, source: str, test: str, cells: dict, pairs: Callable[[int], tuple], favours_lower: bool
+) -> Claim:
+    """A claim that ``treated − control`` moves in one direction at every budget (``pairs(budget)`` gives the two
+    cells' ``{unit: value}``; ``favours_lower``: the claim holds when the difference is below zero)."""
+    outcomes, evidence = {}, []
+    for budget in sorted({b for (_, b) in cells if b is not None}):
+        treated, control = pairs(budget)
+        if not treated or not control:
+            continue
+        est = paired_difference(treated, control)
+        if est.n == 0:
+            continue
+        below, above = est.high < 0, est.low > 0
+        holds = below if favours_lower else above
+        outcomes[budget] = "for" if holds else "against" if (below or above) else "unclear"
+        if est.n < MIN_PAIRED_UNITS:
+            outcomes[budget] = "too few"
+        evidence.append(f"b={budget}: {_cell(est)} (n={est.n})")
+    return Claim(claim, source, test, "; ".join(evidence) or "–", _verdict(outcomes))
+
+
+def _caote_gain(cells: dict, base: str, budget: int) -> dict[str, float]:
+    """Relative KL reduction of ``base+caote`` over ``base`` per unit."""
+    plain, treated = cells.get((base, budget), {}), cells.get((f"{base}+caote", budget), {})
+    return {unit: (plain[unit] - treated[unit]) / plain[unit] for unit in plain.keys() & treated.keys() if plain[unit]}
+
+
+def _equivalence_claim(cells: dict) -> Claim:
+    """FastCAOTE ≈ CAOTE: for every base and budget, the interval of (fast − caote) KL lies within ±10 % of the plain
+    base's mean KL (reproduced), entirely outside it (refuted), or straddles its edge (inconclusive)."""
+    outcomes, evidence = {}, []
+    budgets = sorted({b for (_, b) in cells if b is not None})
+    for base in PAPER_BASES:
+        for budget in budgets:
+            fast, exact, plain = (cells.get((name, budget)) for name in (f"{base}+fastcaote", f"{base}+caote", base))
+            if not fast or not exact or not plain:
+                continue
+            est = paired_difference(fast, exact)
+            if est.n < MIN_PAIRED_UNITS:
+                outcomes[(base, budget)] = "too few"
+                continue
+            band = EQUIVALENCE_SHARE * sum(plain.values()) / len(plain)
+            inside = -band < est.low and est.high < band
+            outside = est.low >= band or est.high <= -band
+            outcomes[(base, budget)] = "for" if inside else "against" if outside else "unclear"
+            evidence.append(f"{base} b={budget}: {_cell(est, 4)} vs ±{band:.4f}")
+    return Claim(
+        "FastCAOTE ≈ CAOTE",
+        "Tables 1–4",
+        f"paired Δ KL (fastcaote − caote) per essay within ±{EQUIVALENCE_SHARE:.0%} of the plain base's KL, every "
+        "base × budget",
+        "; ".join(evidence) or "–",
+        _verdict(outcomes),
+    )
+
+
+def claims(rows: dict[str, list[dict]]) -> list[Claim]:
+    """Every claim the rows can test (perplexity rows for PPL / KL, NIAH rows per protocol)."""
+    text_rows = rows.get("perplexity", [])
+    ppl, kl = values_by_cell(text_rows, "ppl_delta"), values_by_cell(text_rows, "kl")
+    result = []
+    for base in PAPER_BASES:
+        result.append(
+            _paired_claim(
+                f"CAOTE lowers perplexity for {base.upper() if base == 'h2o' else base}",
+                "Table 4",
+                f"paired Δ PPL ({base}+caote − {base}) per essay < 0 at every budget",
+                ppl,
+                lambda b, base=base: (ppl.get((f"{base}+caote", b)), ppl.get((base, b))),
+                favours_lower=True,
+            )
+        )
+    niah_rows = rows.get("niah", [])
+    for protocol in sorted({row.get("protocol", "in-prompt") for row in niah_rows}):
+        scores = values_by_cell([r for r in niah_rows if r.get("protocol", "in-prompt") == protocol], "score")
+        result.append(
+            _paired_claim(
+                f"CAOTE raises H2O's NIAH score ({protocol})",
+                "Fig. 2",
+                "paired Δ accuracy (h2o+caote − h2o) per example > 0 at every budget",
+                scores,
+                lambda b, scores=scores: (scores.get(("h2o+caote", b)), scores.get(("h2o", b))),
+                favours_lower=False,
+            )
+        )
+    result.append(_equivalence_claim(kl))
+    for other in ("tova", "snapkv"):
+        result.append(
+            _paired_claim(
+                f"CAOTE's gain is larger for H2O than for {other}",
+                "Tables 2–3 (LongBench averages)",
+                f"paired Δ of relative KL gains (h2o − {other}) per essay > 0 at every budget",
+                kl,
+                lambda b, other=other: (_caote_gain(kl, "h2o", b), _caote_gain(kl, other, b)),
+                favours_lower=False,
+            )
+        )
+    best = {}
+    for budget in sorted({b for (_, b) in kl if b is not None}):
+        papers = [(p, v) for (p, b), v in kl.items() if b == budget and p not in ("full", "oracle") and v]
+        if papers:
+            best[budget] = min(papers, key=lambda item: sum(item[1].values()) / len(item[1]))[1]
+    result.append(
+        _paired_claim(
+            "The oracle (future attention) has the lowest KL",
+            "ours (the ceiling)",
+            "paired Δ KL (oracle − best paper policy) per essay < 0 at every budget",
+            kl,
+            lambda b: (kl.get(("oracle", b)), best.get(b)),
+            favours_lower=True,
+        )
+    )
+    return result
+
+
+def claims_table(items: list[Claim]) -> str:
+    lines = ["| claim | source | test | evidence (mean [95 % CI]) | verdict |", "|---|---|---|---|---|"]
+    lines += [f"| {c.claim} | {c.source} | {c.test} | {c.evidence} | **{c.verdict}** |" for c in items]
+    return "\n".join(lines)
