@@ -171,7 +171,7 @@ class EvictionCache(Cache):
         window, else the newest token only).
     gqa:
         How CAOTE errors of the query heads sharing a KV head combine: ``"rss"`` (exact), ``"mean"`` or ``"max"``.
-        Plain base scores are always averaged over the group.
+        Plain base scores are always averaged over the group. A policy name ending in ``/<gqa>`` sets it instead.
     seed:
         Seed of the ``random`` policy (its numbers are drawn on the CPU, whatever device each layer is on).
     future:
@@ -218,7 +218,8 @@ class EvictionCache(Cache):
                 for window in windows
             ]
         )
-        self.budget, self.block_size, self.sink_tokens, self.gqa, self.seed = budget, block_size, sink_tokens, gqa, seed
+        self.budget, self.block_size, self.sink_tokens, self.seed = budget, block_size, sink_tokens, seed
+        self.gqa = self.policy.gqa or gqa
         self.model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         # A model whose every layer slides (Mistral with a window) evicts everywhere, within its window only.
         self.sliding_window = min(windows) if every_layer_slides else None

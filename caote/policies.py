@@ -1,8 +1,11 @@
 """Eviction policies: a base score, optionally made value-aware by CAOTE or FastCAOTE.
 
 A policy name is ``<base>`` or ``<base>+caote`` / ``<base>+fastcaote`` (e.g. ``"snapkv+fastcaote"``), plus ``"full"``
-(no eviction). Adding a base means writing one score function in `caote.scoring` and one `BaseScore` entry here; the
-entry says everything the cache must provide (which attention rows, random numbers), so nothing else names it.
+(no eviction). A value-aware name may end in ``/<gqa>`` (``"tova+caote/mean"``) to fix how the CAOTE errors of a
+KV group's query heads combine (`caote.scoring.GQA_AGGREGATIONS`), e.g. for an ablation in one evaluation grid.
+
+Adding a base means writing one score function in `caote.scoring` and one `BaseScore` entry here; the entry says
+everything the cache must provide (which attention rows, random numbers), so nothing else names it.
 """
 
 from __future__ import annotations
@@ -166,6 +169,7 @@ class Policy:
     name: str
     base: BaseScore | None
     transform: str = "none"
+    gqa: str | None = None  # the name's own GQA aggregation (``/mean``), overriding the cache's
 
     @property
     def evicts(self) -> bool:
@@ -214,6 +218,15 @@ POLICY_GROUPS: dict[str, list[str]] = {
 def parse_policy(name: str) -> Policy:
     """``"snapkv+fastcaote"`` -> `Policy`; unknown names raise a one-line error with the closest valid name."""
     valid = policy_names(hindsight=True)
+    if isinstance(name, str) and "/" in name:
+        stem, _, gqa = name.strip().lower().partition("/")
+        policy = parse_policy(stem)
+        if policy.transform == "none" or gqa not in scoring.GQA_AGGREGATIONS:
+            raise ValueError(
+                f"policy {name!r}: '/<gqa>' follows a value-aware policy (e.g. 'tova+caote/mean') and names one of "
+                f"{', '.join(scoring.GQA_AGGREGATIONS)}"
+            )
+        return Policy(f"{stem}/{gqa}", policy.base, policy.transform, gqa)
     if not isinstance(name, str) or name.strip().lower() not in valid:
         close = difflib.get_close_matches(str(name).strip().lower(), valid, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -232,9 +245,9 @@ def expand_policies(spec: str) -> list[str]:
         if not item:
             continue
         for name in POLICY_GROUPS.get(item.lower(), [item]):
-            parse_policy(name)
-            if name.lower() not in names:
-                names.append(name.lower())
+            name = parse_policy(name).name
+            if name not in names:
+                names.append(name)
     if not names:
         raise ValueError(f"no policy given in {spec!r}")
     return names
@@ -248,4 +261,6 @@ def describe(name: str) -> str:
     text = f"{policy.base.summary} [{policy.base.reference}]"
     if policy.transform != "none":
         text += f"; {TRANSFORM_SUMMARIES[policy.transform]}"
+    if policy.gqa is not None:
+        text += f"; a KV group's query heads combined by {policy.gqa}"
     return text

@@ -11,6 +11,7 @@ from caote.cache import EvictionCache
 from caote.evaluation import runner
 from caote.evaluation.claims import claims, claims_table
 from caote.evaluation.examples import Example
+from caote.evaluation.lockstep import lockstep
 from caote.evaluation.niah import niah_example
 from caote.evaluation.rows import load_rows
 from caote.evaluation.tables import best_base_records, values_by_cell
@@ -136,3 +137,21 @@ def test_claims_get_a_verdict_from_their_intervals():
         row["ppl_delta"] = row["kl"]
     assert {c.claim: c for c in claims({"perplexity": worse})}["CAOTE lowers perplexity for H2O"].verdict == "refuted"
     assert "| CAOTE lowers perplexity for H2O | Table 4 |" in claims_table(list(items.values()))
+
+
+def test_a_policy_name_can_fix_its_gqa_aggregation(llama):
+    from caote.policies import parse_policy
+
+    assert parse_policy("TOVA+CAOTE/mean").gqa == "mean" and parse_policy("tova+caote").gqa is None
+    for bad in ("tova/mean", "tova+caote/avg", "full/mean"):
+        with pytest.raises(ValueError, match="value-aware policy"):
+            parse_policy(bad)
+    assert EvictionCache(llama, budget=40, policy="h2o+caote/mean").gqa == "mean"
+    ids = random_ids(160, seed=6)
+    rows = {
+        r["policy"]: r
+        for r in lockstep(
+            llama, ids, [("tova+caote", 40), ("tova+caote/mean", 40), ("tova+caote/max", 40)], block_size=32
+        )
+    }
+    assert len({round(r["kl"], 12) for r in rows.values()}) == 3  # three aggregations, three different caches

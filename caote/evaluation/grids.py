@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from caote.defaults import PAPER_BASES
 from caote.evaluation.config import DEFAULT_POLICIES, EvalConfig, hindsight_policies
 from caote.evaluation.reference import FULL
 from caote.evaluation.registry import TASKS
@@ -21,6 +22,7 @@ class GridPart:
     subtasks: tuple[str, ...] | None = None
     depths: tuple[float, ...] | None = None
     protocols: tuple[str, ...] | None = None
+    extra_policies: tuple[str, ...] = ()  # run on this part only (ablations), after the grid's policies
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,12 @@ STANDARD_GRID = Grid(
     budgets=(128, 256, 512),
     max_new_tokens=16,
     parts=(
-        GridPart("perplexity", lengths=(1024,), samples=20),
+        GridPart(
+            "perplexity",
+            lengths=(1024,),
+            samples=20,
+            extra_policies=tuple(f"{base}+caote/mean" for base in PAPER_BASES),  # ablation: rss vs mean over a group
+        ),
         GridPart(
             "niah", lengths=(1024,), samples=2, depths=(10, 30, 50, 70, 90), protocols=("in-prompt", "question-after")
         ),
@@ -103,7 +110,7 @@ def part_configs(grid: Grid, config: EvalConfig, runs: Path) -> dict[str, EvalCo
         part.task: EvalConfig(
             benchmark=part.task,
             model=config.model,
-            policies=policies if TASKS[part.task].texts is not None else causal,
+            policies=(policies if TASKS[part.task].texts is not None else causal) + list(part.extra_policies),
             budgets=list(grid.budgets),
             lengths=list(part.lengths),
             samples=part.samples,
