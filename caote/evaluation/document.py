@@ -15,15 +15,25 @@ from caote.evaluation.summary import INTERVAL_NOTE, render_pieces
 from caote.evaluation.tables import policy_order
 
 
-def headline_columns(summaries: dict) -> list[tuple[str, str, str, int]]:
-    """``(task, metric, column label, digits)`` of every headline metric of the summarised tasks, registry order."""
-    return [
-        (task.name, metric.name, metric.headline, metric.digits)
-        for task in TASKS.values()
-        if task.name in summaries
-        for metric in task.metrics
-        if metric.headline
-    ]
+def headline_columns(summaries: dict) -> list[tuple[str, str, str, str, int]]:
+    """``(task, metric, view, column label, digits)`` of every headline metric of the summarised tasks, registry
+    order; a task summarised per protocol gets one column per protocol."""
+    columns = []
+    for task in TASKS.values():
+        if task.name not in summaries:
+            continue
+        records = summaries[task.name].get("records", [])
+        for metric in task.metrics:
+            if not metric.headline:
+                continue
+            tasks = {r["task"] for r in records if r["metric"] == metric.name}
+            if "all" in tasks or not tasks:
+                columns.append((task.name, metric.name, "all", metric.headline, metric.digits))
+            else:
+                columns += [
+                    (task.name, metric.name, v, f"{metric.headline} ({v})", metric.digits) for v in sorted(tasks)
+                ]
+    return columns
 
 
 def headline_table(summaries: dict) -> str:
@@ -31,24 +41,25 @@ def headline_table(summaries: dict) -> str:
     summarised tasks, in registry order."""
     columns = headline_columns(summaries)
     cells = {}
-    for benchmark, field, _, _ in columns:
+    for benchmark, field, view, _, _ in columns:
         for r in summaries.get(benchmark, {}).get("records", []):
-            if r["metric"] == field and r["task"] == "all":
-                cells[(benchmark, field, r["policy"], r["budget"])] = Estimate(
+            if r["metric"] == field and r["task"] == view:
+                cells[(benchmark, field, view, r["policy"], r["budget"])] = Estimate(
                     r["mean"], r["ci_low"], r["ci_high"], r["n"], r["ci_method"]
                 )
-    order = policy_order([policy for (_, _, policy, _) in cells])
+    order = policy_order([key[3] for key in cells])
     settings = sorted(
-        {(policy, budget) for (_, _, policy, budget) in cells},
+        {(key[3], key[4]) for key in cells},
         key=lambda pb: (order.index(pb[0]), -1 if pb[1] == "" else pb[1]),
     )
     lines = [
-        "| policy | budget | " + " | ".join(label for _, _, label, _ in columns) + " |",
+        "| policy | budget | " + " | ".join(label for *_, label, _ in columns) + " |",
         "|---|---|" + "---|" * len(columns),
     ]
     for policy, budget in settings:
         values = [
-            cells[(b, f, policy, budget)].cell(d) if (b, f, policy, budget) in cells else "–" for b, f, _, d in columns
+            cells[(b, f, v, policy, budget)].cell(d) if (b, f, v, policy, budget) in cells else "–"
+            for b, f, v, _, d in columns
         ]
         name = "**full (reference)**" if policy == FULL else policy
         lines.append(f"| {name} | {budget if budget != '' else 'all'} | " + " | ".join(values) + " |")
@@ -69,8 +80,10 @@ def verdict_lines(summaries: dict) -> list[str]:
     lines = []
     for name, pieces in summaries.items():
         records = pieces["comparison_records"]
-        for metric in dict.fromkeys(r["metric"] for r in records):
-            chosen = [r for r in records if r["metric"] == metric]
+        for metric, view in dict.fromkeys((r["metric"], r["task"]) for r in records):
+            chosen = [r for r in records if r["metric"] == metric and r["task"] == view]
+            if view != "all":
+                metric = f"{metric} ({view})"
             helps = [
                 f"{r['base']}+{r['transform']} b={r['budget']} ({r['delta']:+.3g})"
                 for r in chosen

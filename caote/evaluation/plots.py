@@ -75,7 +75,13 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
     figure, axis = plt.subplots(figsize=(7.5, 4.5))
     styles = {"": "-", "+caote": "--", "+fastcaote": ":"}
     markers = {"": "o", "+caote": "s", "+fastcaote": "^"}
-    colours = {"streamingllm": "tab:gray", "h2o": "tab:blue", "tova": "tab:orange", "snapkv": "tab:green"}
+    colours = {
+        "streamingllm": "tab:gray",
+        "h2o": "tab:blue",
+        "tova": "tab:orange",
+        "snapkv": "tab:green",
+        "oracle": "black",
+    }
     drawn = [p for p in policy_order({r["policy"] for r in records}) if p != FULL]
     for policy in policy_order({r["policy"] for r in records}):
         chosen = sorted((r for r in records if r["policy"] == policy and r["budget"] != ""), key=lambda r: r["budget"])
@@ -87,6 +93,7 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
         if not chosen:
             continue
         base, plus, transform = policy.partition("+")
+        variant, _, gqa = (plus + transform).partition("/")
         x = [r["budget"] * _dodge(drawn.index(policy), len(drawn)) for r in chosen]
         y = [r["mean"] for r in chosen]
         error = [
@@ -97,12 +104,12 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
             x,
             y,
             yerr=error,
-            label=policy,
+            label="oracle (hindsight ceiling)" if base == "oracle" else policy,
             color=colours.get(base),
             capsize=2,
-            marker=markers.get(plus + transform, "o"),
-            markersize=4,
-            linestyle=styles.get(plus + transform, "-"),
+            marker="*" if base == "oracle" else markers.get(variant, "o"),
+            markersize=7 if base == "oracle" else 4,
+            linestyle="-." if gqa else styles.get(variant, "-"),
             linewidth=1.2,
             alpha=0.85,
         )
@@ -148,7 +155,7 @@ def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | No
             range(len(mean)),
             mean,
             label=policy,
-            linestyle={"": "-", "+caote": "--", "+fastcaote": ":"}[plus + transform],
+            linestyle="-." if "/" in transform else {"": "-", "+caote": "--", "+fastcaote": ":"}[plus + transform],
         )
     axis.set_xlabel("layer")
     axis.set_ylabel("||O_policy − O_full|| / ||O_full||")

@@ -29,8 +29,18 @@ INTERVAL_NOTE = (
 )
 
 
+def views(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows to summarise apart: one view per question protocol when the rows have several (their numbers answer
+    different questions and must not be averaged together), else ``{"all": rows}``."""
+    protocols = sorted({row["protocol"] for row in rows if row.get("protocol")})
+    if len(protocols) < 2:
+        return {"all": rows}
+    return {protocol: [row for row in rows if row.get("protocol") == protocol] for protocol in protocols}
+
+
 def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str = "") -> dict:
-    """Tables, CSV and plots of one task's rows under ``out``; returns the pieces for the docs writer."""
+    """Tables, CSV and plots of one task's rows under ``out`` (one set per `views` entry); returns the pieces for
+    the docs writer."""
     task = TASKS[benchmark]
     pieces = {
         "tables": [],
@@ -42,37 +52,48 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
         "comparison_records": [],
         "best_base_records": [],
     }
-    subtasks = sorted({r.get("task") for r in rows if r.get("task")})
-    for metric in task.metrics:
-        records = summary_records(rows, metric, benchmark)
-        if not records:
-            continue
-        comparisons = comparison_records(rows, metric, benchmark)
-        pieces["records"] += records
-        pieces["comparison_records"] += comparisons
-        pieces["tables"].append((metric.label, markdown_table(records, metric.digits)))
-        pieces["comparisons"].append((metric.label, comparison_table(comparisons, metric.digits + 1)))
-        by_block = comparison_records(rows, metric, benchmark, blocks=True)
-        if by_block:
-            pieces["block_comparisons"].append((metric.label, comparison_table(by_block, metric.digits + 1)))
-        against_best = best_base_records(rows, metric, benchmark)
-        pieces["best_base_records"] += against_best
-        pieces["best_base"].append((metric.label, best_base_table(against_best, metric.digits + 1)))
-        name = f"{plot_prefix}{benchmark}_{metric.name}_vs_budget.png"
-        plot = plot_metric_vs_budget(records, out / name, metric.label, f"{benchmark}: {metric.label} (95 % CI)")
-        if plot:
-            pieces["plots"].append((f"{benchmark}: {metric.label} vs budget", plot))
-        if len(subtasks) > 1 and task.subtasks:
-            for subtask in subtasks:
-                subtask_records = summary_records(rows, metric, benchmark, subtask)
-                pieces["records"] += subtask_records
-                pieces["tables"].append((f"{metric.label} — {subtask}", markdown_table(subtask_records, metric.digits)))
-    for figure in task.figures:
-        pieces["plots"] += FIGURES[figure](rows, out, plot_prefix)
+    for view, view_rows in views(rows).items():
+        named = "" if view == "all" else f" ({view})"
+        prefix = plot_prefix if view == "all" else f"{plot_prefix}{view}_"
+        subtasks = sorted({r.get("task") for r in view_rows if r.get("task")})
+        for metric in task.metrics:
+            records = _in_view(summary_records(view_rows, metric, benchmark), view)
+            if not records:
+                continue
+            comparisons = _in_view(comparison_records(view_rows, metric, benchmark), view)
+            pieces["records"] += records
+            pieces["comparison_records"] += comparisons
+            label = metric.label + named
+            pieces["tables"].append((label, markdown_table(records, metric.digits)))
+            pieces["comparisons"].append((label, comparison_table(comparisons, metric.digits + 1)))
+            by_block = comparison_records(view_rows, metric, benchmark, blocks=True)
+            if by_block:
+                pieces["block_comparisons"].append((label, comparison_table(by_block, metric.digits + 1)))
+            against_best = _in_view(best_base_records(view_rows, metric, benchmark), view)
+            pieces["best_base_records"] += against_best
+            pieces["best_base"].append((label, best_base_table(against_best, metric.digits + 1)))
+            name = f"{prefix}{benchmark}_{metric.name}_vs_budget.png"
+            title = f"{benchmark}{named}: {metric.label} (95 % CI)"
+            plot = plot_metric_vs_budget(records, out / name, metric.label, title)
+            if plot:
+                pieces["plots"].append((f"{benchmark}{named}: {metric.label} vs budget", plot))
+            if len(subtasks) > 1 and task.subtasks:
+                for subtask in subtasks:
+                    subtask_records = summary_records(view_rows, metric, benchmark, subtask)
+                    pieces["records"] += subtask_records
+                    table = markdown_table(subtask_records, metric.digits)
+                    pieces["tables"].append((f"{metric.label} — {subtask}", table))
+        for figure in task.figures:
+            pieces["plots"] += [(caption + named, path) for caption, path in FIGURES[figure](view_rows, out, prefix)]
     write_csv(out / f"{plot_prefix}{benchmark}_summary.csv", pieces["records"])
     write_csv(out / f"{plot_prefix}{benchmark}_caote_vs_plain.csv", pieces["comparison_records"])
     write_csv(out / f"{plot_prefix}{benchmark}_vs_best_base.csv", pieces["best_base_records"])
     return pieces
+
+
+def _in_view(records: list[dict], view: str) -> list[dict]:
+    """Records labelled with their view (``task`` is ``"all"`` or the protocol)."""
+    return [{**record, "task": view} for record in records]
 
 
 def render_pieces(benchmark: str, pieces: dict, relative_to: Path | None = None) -> str:
