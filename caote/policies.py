@@ -69,6 +69,7 @@ class BaseScore:
 
 SNAPKV_WINDOW = 32
 SNAPKV_KERNEL = 5
+BLOCK_ROWS = 128  # caote-block's rows: the default prefill block
 
 BASE_SCORES: dict[str, BaseScore] = {
     base.name: base
@@ -138,6 +139,27 @@ BASE_SCORES: dict[str, BaseScore] = {
             summary="uniformly random scores (a floor to beat)",
             reference="-",
             needs_random=True,
+        ),
+        BaseScore(
+            name="caote-window",
+            score=lambda x: scoring.multi_row_caote_score(x.recent_rows, x.values),
+            summary=f"beyond the paper: the exact CAOTE output change over each of the newest {SNAPKV_WINDOW} real "
+            "queries (SnapKV's window), root-mean-square over the queries that see the token and rss over the KV "
+            "group; costs the attention of those rows",
+            reference="this library; CAOTE of arXiv 2504.14051 over many queries",
+            query_rows="recent",
+            query_window=SNAPKV_WINDOW,
+            rank_only=True,
+        ),
+        BaseScore(
+            name="caote-block",
+            score=lambda x: scoring.multi_row_caote_score(x.recent_rows, x.values),
+            summary=f"beyond the paper: caote-window over the newest {BLOCK_ROWS} queries (a whole prefill block; "
+            "the latest decoded queries when decoding); costs about one more attention pass per block",
+            reference="this library; CAOTE of arXiv 2504.14051 over many queries",
+            query_rows="recent",
+            query_window=BLOCK_ROWS,
+            rank_only=True,
         ),
         BaseScore(
             name="oracle",

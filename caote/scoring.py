@@ -93,6 +93,53 @@ def fast_caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Te
     return eviction_error(weights, values, masked_mean(values, real))
 
 
+def row_eviction_errors(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Exact output change ``e_rj = a_rj / (1 - a_rj) * ||X_r - v_j||`` of every query row r when token j alone is
+    evicted and row r renormalised, for many rows at once: ``rows`` ``(B, H_kv, g, R, N)`` attention (each row is
+    renormalised over its support first), ``values`` ``(B, H_kv, N, d)``; returns ``(B, H_kv, g, R, N)``.
+
+    ``||X_r - v_j||^2`` is expanded into matrix products (one batched matmul per term, no ``R x N x d`` tensor);
+    the token holding more than half of a row's mass gets `eviction_error`'s stable form ``w * ||X_-j/rest - v_j||``.
+    """
+    weights = rows.to(compute_dtype(rows))
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+    values = values.to(weights.dtype).unsqueeze(2)  # (B, H_kv, 1, N, d): shared by the group's query heads
+    output = weights @ values  # (B, H_kv, g, R, d)
+    squared = (
+        output.pow(2).sum(-1, keepdim=True)
+        - 2 * output @ values.transpose(-1, -2)
+        + values.pow(2).sum(-1).unsqueeze(-2)
+    )
+    error = weights / (1.0 - weights).clamp_min(0.5) * squared.clamp_min(0.0).sqrt()
+    heaviest = weights.argmax(-1, keepdim=True)  # (B, H_kv, g, R, 1)
+    top_weight = weights.gather(-1, heaviest)
+    others = weights.scatter(-1, heaviest, 0.0)
+    without = others @ values  # X_-j of the heaviest token, summed without cancellation
+    top_value = torch.take_along_dim(values, heaviest, dim=-2)  # (B, H_kv, g, R, d)
+    rest = others.sum(-1, keepdim=True)
+    moved = torch.linalg.vector_norm(without / rest.clamp_min(torch.finfo(weights.dtype).tiny) - top_value, dim=-1)
+    stable = torch.where(rest.squeeze(-1) > 0, top_weight.squeeze(-1) * moved, torch.full_like(moved, math.inf))
+    chosen = torch.where(top_weight.squeeze(-1) > 0.5, stable, error.gather(-1, heaviest).squeeze(-1))
+    return error.scatter(-1, heaviest, chosen.unsqueeze(-1))
+
+
+def multi_row_caote_score(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Exact CAOTE error of every token over many real query rows (beyond the paper: arXiv 2504.14051 scores one
+    query). ``rows`` ``(B, H_q, R, N)``: the attention of the newest R queries (zero on tokens a row could not see),
+    ``values`` ``(B, H_kv, N, d)``. For each row the exact output change `row_eviction_errors`; per KV group
+
+        c_j = sqrt( sum_{q in group} sum_r e_{q,r,j}^2 / n_j )
+
+    with ``n_j`` the rows that attend to token j: the root-mean-square over the queries that could see j of the
+    group's exact output change (rss over heads, as `aggregate_groups`), so that the newest tokens, seen by few rows,
+    are not ranked low merely for being new. Returns ``(B, H_kv, N)``."""
+    kv_heads = values.shape[1]
+    grouped = group_query_heads(rows, kv_heads)  # (B, H_kv, g, R, N)
+    errors = row_eviction_errors(grouped, values)
+    seen = (grouped > 0).any(2).sum(-2).clamp_min(1)  # (B, H_kv, N) rows attending to each token
+    return (errors.pow(2).sum((2, 3)) / seen).sqrt()
+
+
 def masked_mean(values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """Mean of ``values`` ``(..., N, d)`` over the tokens ``real`` ``(..., N)`` marks (all when None)."""
     if real is None:
