@@ -38,9 +38,9 @@ def views(rows: list[dict]) -> dict[str, list[dict]]:
     return {protocol: [row for row in rows if row.get("protocol") == protocol] for protocol in protocols}
 
 
-def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str = "") -> dict:
-    """Tables, CSV and plots of one task's rows under ``out`` (one set per `views` entry); returns the pieces for
-    the docs writer."""
+def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str = "", plots: bool = True) -> dict:
+    """Tables, CSV and (unless ``plots`` is false) plots of one task's rows under ``out``, one set per `views`
+    entry; returns the pieces for the docs writer."""
     task = TASKS[benchmark]
     pieces = {
         "tables": [],
@@ -74,7 +74,7 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
             pieces["best_base"].append((label, best_base_table(against_best, metric.digits + 1)))
             name = f"{prefix}{benchmark}_{metric.name}_vs_budget.png"
             title = f"{benchmark}{named}: {metric.label} (95 % CI)"
-            plot = plot_metric_vs_budget(records, out / name, metric.label, title)
+            plot = plot_metric_vs_budget(records, out / name, metric.label, title) if plots else None
             if plot:
                 pieces["plots"].append((f"{benchmark}{named}: {metric.label} vs budget", plot))
             if len(subtasks) > 1 and task.subtasks:
@@ -83,7 +83,7 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
                     pieces["records"] += subtask_records
                     table = markdown_table(subtask_records, metric.digits)
                     pieces["tables"].append((f"{metric.label} — {subtask}", table))
-        for figure in task.figures:
+        for figure in task.figures if plots else ():
             pieces["plots"] += [(caption + named, path) for caption, path in FIGURES[figure](view_rows, out, prefix)]
     write_csv(out / f"{plot_prefix}{benchmark}_summary.csv", pieces["records"])
     write_csv(out / f"{plot_prefix}{benchmark}_caote_vs_plain.csv", pieces["comparison_records"])
