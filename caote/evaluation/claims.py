@@ -146,7 +146,8 @@ def claims(rows: dict[str, list[dict]]) -> list[Claim]:
                 favours_lower=False,
             )
         )
-    for base in PAPER_BASES:
+    ablated = [base for base in PAPER_BASES if any(policy == f"{base}+caote/mean" for policy, _ in kl)]
+    for base in ablated or PAPER_BASES[:1]:
         result.append(
             _paired_claim(
                 f"rss aggregation of a KV group's CAOTE errors beats the mean ({base}+caote)",
