@@ -42,12 +42,8 @@ class FutureAttention:
             for seen, received in reversed(blocks):
                 self._future[(layer, seen)] = running[:, :seen].clone()
                 running[:, :seen] += received
+        self._received.clear()  # folded into the future masses
         return self
-
-    @property
-    def boundaries(self) -> list[int]:
-        """The token counts at which a future mass is known (the ends of the recorded blocks)."""
-        return sorted({seen for (_, seen) in self._future})
 
     def at(self, layer: int, seen: int, positions: torch.Tensor) -> torch.Tensor:
         """``(B, H_kv, N)`` future mass of the tokens at ``positions`` (``-1`` = padding, mass 0) when ``layer``

@@ -14,10 +14,10 @@ the compressed state is snapshotted, and each question is answered by a greedy l
 restored before the next question. The prefill therefore runs once however many questions there are.
 
 What the budget covers (``compress``): by default (``"all"``) the cache keeps evicting while it reads the question
-and writes the answer, so memory never exceeds the budget, and the context keeps about a question's length fewer
-tokens. ``compress="context"`` is kvpress's behaviour: the context is compressed to the budget, then the question
-and the answer grow the cache uncompressed (memory reaches budget + question + answer). Compare policies with
-kvpress's numbers under ``"context"``.
+and writes the answer, so memory never exceeds ``budget + block_size`` tokens per layer, and the context keeps about
+a question's length fewer tokens. ``compress="context"`` is kvpress's behaviour: the context is compressed to the
+budget, then the question and the answer grow the cache uncompressed (memory reaches budget + question + answer).
+Compare policies with kvpress's numbers under ``"context"``.
 
 Chat templates are handled like kvpress: the template is applied to ``context + SEPARATOR`` and split at the
 separator, so the template's head (system prompt, user header) goes with the context and its tail (end of turn,

@@ -248,7 +248,7 @@ def parse_policy(name: str) -> Policy:
                 f"policy {name!r}: '/<gqa>' follows a value-aware policy (e.g. 'tova+caote/mean') and names one of "
                 f"{', '.join(scoring.GQA_AGGREGATIONS)}"
             )
-        return Policy(f"{stem}/{gqa}", policy.base, policy.transform, gqa)
+        return Policy(f"{policy.name}/{gqa}", policy.base, policy.transform, gqa)
     if not isinstance(name, str) or name.strip().lower() not in valid:
         close = difflib.get_close_matches(str(name).strip().lower(), valid, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -137,6 +137,10 @@ def test_claims_get_a_verdict_from_their_intervals():
         row["ppl_delta"] = row["kl"]
     assert {c.claim: c for c in claims({"perplexity": worse})}["CAOTE lowers perplexity for H2O"].verdict == "refuted"
     assert "| CAOTE lowers perplexity for H2O | Table 4 |" in claims_table(list(items.values()))
+    # a budget of the grid without rows keeps every claim from being reproduced
+    partial = {c.claim: c for c in claims({"perplexity": rows}, budgets=[128, 256])}
+    assert partial["CAOTE lowers perplexity for H2O"].verdict == "inconclusive"
+    assert "b=256: no rows" in partial["CAOTE lowers perplexity for H2O"].evidence
 
 
 def test_a_policy_name_can_fix_its_gqa_aggregation(llama):

@@ -35,28 +35,36 @@ def _cell(est: Estimate, digits: int = 3) -> str:
     return f"{est.mean:+.{digits}f} [{est.low:+.{digits}f}, {est.high:+.{digits}f}]"
 
 
-def _verdict(outcomes: dict[int, str]) -> str:
-    """``{budget: "for" | "against" | "unclear"}`` -> the claim's verdict."""
-    if not outcomes:
+def _verdict(outcomes: dict) -> str:
+    """``{budget: "for" | "against" | "unclear" | "too few" | "no rows"}`` -> the claim's verdict: reproduced only
+    when it holds at every budget."""
+    if not outcomes or all(outcome == "no rows" for outcome in outcomes.values()):
         return "not tested (no rows)"
-    if all(outcome == "too few" for outcome in outcomes.values()):
+    if "too few" in outcomes.values() and "for" not in outcomes.values() and "against" not in outcomes.values():
         return f"inconclusive (fewer than {MIN_PAIRED_UNITS} units)"
     if all(outcome == "for" for outcome in outcomes.values()):
         return "reproduced"
     if "for" not in outcomes.values() and "against" in outcomes.values():
-        return "refuted"
+        return "refuted" if set(outcomes.values()) <= {"against", "unclear"} else "refuted where tested"
     return "inconclusive"
 
 
 def _paired_claim(
-    claim: str, source: str, test: str, cells: dict, pairs: Callable[[int], tuple], favours_lower: bool
+    claim: str,
+    source: str,
+    test: str,
+    budgets: list[int],
+    pairs: Callable[[int], tuple],
+    favours_lower: bool,
 ) -> Claim:
     """A claim that ``treated − control`` moves in one direction at every budget (``pairs(budget)`` gives the two
     cells' ``{unit: value}``; ``favours_lower``: the claim holds when the difference is below zero)."""
     outcomes, evidence = {}, []
-    for budget in sorted({b for (_, b) in cells if b is not None}):
+    for budget in budgets:
         treated, control = pairs(budget)
         if not treated or not control:
+            outcomes[budget] = "no rows"
+            evidence.append(f"b={budget}: no rows")
             continue
         est = paired_difference(treated, control)
         if est.n == 0:
@@ -70,21 +78,25 @@ def _paired_claim(
     return Claim(claim, source, test, "; ".join(evidence) or "–", _verdict(outcomes))
 
 
+def _budgets(*cell_maps: dict) -> list[int]:
+    return sorted({budget for cells in cell_maps for (_, budget) in cells if budget is not None})
+
+
 def _caote_gain(cells: dict, base: str, budget: int) -> dict[str, float]:
     """Relative KL reduction of ``base+caote`` over ``base`` per unit."""
     plain, treated = cells.get((base, budget), {}), cells.get((f"{base}+caote", budget), {})
     return {unit: (plain[unit] - treated[unit]) / plain[unit] for unit in plain.keys() & treated.keys() if plain[unit]}
 
 
-def _equivalence_claim(cells: dict) -> Claim:
+def _equivalence_claim(cells: dict, budgets: list[int]) -> Claim:
     """FastCAOTE ≈ CAOTE: for every base and budget, the interval of (fast − caote) KL lies within ±10 % of the plain
     base's mean KL (reproduced), entirely outside it (refuted), or straddles its edge (inconclusive)."""
     outcomes, evidence = {}, []
-    budgets = sorted({b for (_, b) in cells if b is not None})
-    for base in PAPER_BASES:
+    for base in [b for b in PAPER_BASES if any(policy == f"{b}+fastcaote" for policy, _ in cells)]:
         for budget in budgets:
             fast, exact, plain = (cells.get((name, budget)) for name in (f"{base}+fastcaote", f"{base}+caote", base))
             if not fast or not exact or not plain:
+                outcomes[(base, budget)] = "no rows"
                 continue
             est = paired_difference(fast, exact)
             if est.n < MIN_PAIRED_UNITS:
@@ -105,10 +117,13 @@ def _equivalence_claim(cells: dict) -> Claim:
     )
 
 
-def claims(rows: dict[str, list[dict]]) -> list[Claim]:
-    """Every claim the rows can test (perplexity rows for PPL / KL, NIAH rows per protocol)."""
+def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> list[Claim]:
+    """Every claim the rows can test (perplexity rows for PPL / KL, NIAH rows per protocol) at ``budgets`` (the
+    grid's; by default every budget in the rows): a budget without rows keeps a claim from being reproduced."""
     text_rows = rows.get("perplexity", [])
     ppl, kl = values_by_cell(text_rows, "ppl_delta"), values_by_cell(text_rows, "kl")
+    niah_rows = rows.get("niah", [])
+    budgets = list(budgets) if budgets else _budgets(kl, values_by_cell(niah_rows, "score"))
     result = []
     for base in PAPER_BASES:
         result.append(
@@ -116,12 +131,11 @@ def claims(rows: dict[str, list[dict]]) -> list[Claim]:
                 f"CAOTE lowers perplexity for {base.upper() if base == 'h2o' else base}",
                 "Table 4",
                 f"paired Δ PPL ({base}+caote − {base}) per essay < 0 at every budget",
-                ppl,
+                budgets,
                 lambda b, base=base: (ppl.get((f"{base}+caote", b)), ppl.get((base, b))),
                 favours_lower=True,
             )
         )
-    niah_rows = rows.get("niah", [])
     for protocol in sorted({row.get("protocol", "in-prompt") for row in niah_rows}):
         scores = values_by_cell([r for r in niah_rows if r.get("protocol", "in-prompt") == protocol], "score")
         result.append(
@@ -129,19 +143,19 @@ def claims(rows: dict[str, list[dict]]) -> list[Claim]:
                 f"CAOTE raises H2O's NIAH score ({protocol})",
                 "Fig. 2",
                 "paired Δ accuracy (h2o+caote − h2o) per example > 0 at every budget",
-                scores,
+                budgets,
                 lambda b, scores=scores: (scores.get(("h2o+caote", b)), scores.get(("h2o", b))),
                 favours_lower=False,
             )
         )
-    result.append(_equivalence_claim(kl))
+    result.append(_equivalence_claim(kl, budgets))
     for other in ("tova", "snapkv"):
         result.append(
             _paired_claim(
                 f"CAOTE's gain is larger for H2O than for {other}",
                 "Tables 2–3 (LongBench averages)",
                 f"paired Δ of relative KL gains (h2o − {other}) per essay > 0 at every budget",
-                kl,
+                budgets,
                 lambda b, other=other: (_caote_gain(kl, "h2o", b), _caote_gain(kl, other, b)),
                 favours_lower=False,
             )
@@ -153,13 +167,13 @@ def claims(rows: dict[str, list[dict]]) -> list[Claim]:
                 f"rss aggregation of a KV group's CAOTE errors beats the mean ({base}+caote)",
                 "ours (`gqa='rss'`, the default)",
                 f"paired Δ KL ({base}+caote − {base}+caote/mean) per essay < 0 at every budget",
-                kl,
+                budgets,
                 lambda b, base=base: (kl.get((f"{base}+caote", b)), kl.get((f"{base}+caote/mean", b))),
                 favours_lower=True,
             )
         )
     best = {}
-    for budget in sorted({b for (_, b) in kl if b is not None}):
+    for budget in budgets:
         papers = [(p, v) for (p, b), v in kl.items() if b == budget and p in PAPER_POLICIES and v]
         if papers:
             best[budget] = min(papers, key=lambda item: sum(item[1].values()) / len(item[1]))[1]
@@ -168,7 +182,7 @@ def claims(rows: dict[str, list[dict]]) -> list[Claim]:
             "The oracle (future attention) has the lowest KL",
             "ours (the ceiling)",
             "paired Δ KL (oracle − best paper policy) per essay < 0 at every budget",
-            kl,
+            budgets,
             lambda b: (kl.get(("oracle", b)), best.get(b)),
             favours_lower=True,
         )

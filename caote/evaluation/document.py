@@ -124,10 +124,11 @@ def write_results_md(
     committed = runs.is_relative_to(docs / "results")  # the committed documents (--docs) or a user's --out
     command = f"caote eval report --grid {grid.name} " + (f"--docs {docs}" if committed else f"--out {docs}")
     counts = {name: len(value) for name, value in rows.items()}
-    policies = next(iter(configs.values())).policies if configs else []
+    policies = list(dict.fromkeys(p for part in configs.values() for p in part.policies))
     commits = row_commits(row for value in rows.values() for row in value)
     provenance = ", ".join(f"`{commit}`" for commit in commits) or "`none`"
     missing = {name: planned[name] - counts.get(name, 0) for name in planned if counts.get(name, 0) < planned[name]}
+    extra = {name: counts[name] - planned[name] for name in planned if counts.get(name, 0) > planned[name]}
     lines = [
         "# Results: what eviction costs on the bundled SmolLM2-135M-Instruct",
         "",
@@ -144,12 +145,20 @@ def write_results_md(
             + "; the tables show the rows that exist."
         )
         if missing
-        else f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())}).",
+        else f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())})."
+        + (
+            " **Rows beyond the plan:** "
+            + ", ".join(f"{name} has {count} more" for name, count in extra.items())
+            + " (rows of other settings in the folder, summarised with the rest; use a fresh folder to exclude them)."
+            if extra
+            else ""
+        ),
         "",
         "## Setup",
         "",
-        f"- Policies: {', '.join(policy_order(policies))}; budgets {', '.join(map(str, grid.budgets))} tokens "
-        "per layer and KV head; prompts consumed in blocks of 128 with eviction after every block, greedy decoding.",
+        f"- Policies: {', '.join(policy_order(policies))} (hindsight and ablation policies on the texts only); budgets "
+        f"{', '.join(map(str, grid.budgets))} tokens per layer and KV head; prompts consumed in blocks of 128 with "
+        "eviction after every block, greedy decoding.",
         *setup_lines(configs, rows),
         f"- {INTERVAL_NOTE}",
         "",
@@ -167,7 +176,7 @@ def write_results_md(
         "budget: reproduced when the interval favours it at every budget, refuted when it never does and goes "
         "against it somewhere, inconclusive otherwise.",
         "",
-        claims_table(claims(rows)),
+        claims_table(claims(rows, list(grid.budgets))),
         "",
         "## Where CAOTE helps and where it does not",
         "",

@@ -101,9 +101,12 @@ def reference_pass(
     block_size: int = DEFAULT_BLOCK_SIZE,
     fidelity: bool = False,
     future: bool = False,
+    states: set[int] | None = None,
 ) -> Reference:
-    """The full cache over ``input_ids`` ``(1, T)``: per-block log-probs and states, attention outputs when
-    ``fidelity``, the attention received from later queries (for ``oracle``) when ``future``."""
+    """The full cache over ``input_ids`` ``(1, T)``: per-block log-probs, attention outputs when ``fidelity``, the
+    attention received from later queries (for ``oracle``) when ``future``, and the cache state after each block in
+    ``states`` (None: every block; each state holds its own keys and values, so keep only those a track starts
+    from)."""
     input_ids = _check_ids(model, input_ids)
     recorder = FutureAttention() if future else None
     log_probs, snapshots, outputs, nll = [], [], [] if fidelity else None, 0.0
@@ -112,11 +115,12 @@ def reference_pass(
         capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
         for index, (start, block, targets) in enumerate(_blocks(input_ids, block_size)):
             log_probs.append(_forward(model, block, cache, start))
-            snapshots.append(cache.snapshot())
+            snapshots.append(cache.snapshot() if states is None or index in states else None)
             if capture is not None:
                 outputs.append(capture.take())
-            nll -= _predictions(log_probs[index - 1][-1] if index else None, log_probs[index]).gather(1, targets).sum()
-    return Reference(block_size, log_probs, snapshots, outputs, recorder.finish() if recorder else None, float(nll))
+            predictions = _predictions(log_probs[index - 1][-1] if index else None, log_probs[index])
+            nll -= predictions.gather(1, targets).sum().item()
+    return Reference(block_size, log_probs, snapshots, outputs, recorder.finish() if recorder else None, nll)
 
 
 def skippable_blocks(policy: str, budget: int | None, block_size: int, tokens: int) -> int:
@@ -244,10 +248,17 @@ def lockstep_results(
 ) -> Iterator[dict]:
     """One full-cache pass over ``input_ids`` ``(1, T)``, then the result of every ``(policy, budget)`` in ``runs``,
     yielded as soon as it is computed (so a caller can save each one), each with the full cache's PPL."""
-    needs_future = any(policy != FULL and parse_policy(policy).base.needs_future for policy, _ in runs)
-    reference = reference_pass(model, input_ids, block_size, fidelity, future=needs_future)
+    needs_future = any(parse_policy(policy).evicts and parse_policy(policy).base.needs_future for policy, _ in runs)
+    tokens = input_ids.shape[-1]
+    starts = {skippable_blocks(policy, budget, block_size, tokens) for policy, budget in runs} if skip_prefix else set()
+    began = time.perf_counter()
+    reference = reference_pass(model, input_ids, block_size, fidelity, needs_future, {s - 1 for s in starts if s})
+    reference_seconds = time.perf_counter() - began
     for policy, budget in runs:
-        yield track(model, input_ids, reference, policy, budget, skip_prefix)
+        result = track(model, input_ids, reference, policy, budget, skip_prefix)
+        if budget is None:  # the full row carries the cost of the shared full-cache pass
+            result["seconds"] = round(result["seconds"] + reference_seconds, 3)
+        yield result
 
 
 def lockstep(

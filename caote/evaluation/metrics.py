@@ -94,7 +94,7 @@ def rouge_l(prediction: str, answers: Sequence[str], **kw) -> float:
     for answer in _checked(answers):
         try:
             best = max(best, float(scorer.get_scores([prediction], [answer], avg=True)["rouge-l"]["f"]))
-        except (ValueError, RecursionError):  # "Hypothesis is empty" / "Reference is empty"; very long texts
+        except Exception:  # noqa: BLE001 - LongBench's scorer scores any pair the package refuses as 0
             continue
     return best
 

@@ -32,10 +32,14 @@ INTERVAL_NOTE = (
 def views(rows: list[dict]) -> dict[str, list[dict]]:
     """The rows to summarise apart: one view per question protocol when the rows have several (their numbers answer
     different questions and must not be averaged together), else ``{"all": rows}``."""
-    protocols = sorted({row["protocol"] for row in rows if row.get("protocol")})
+    if not any(row.get("protocol") for row in rows):
+        return {"all": rows}
+    protocols = sorted({row.get("protocol") or "in-prompt" for row in rows})  # rows before protocols: in-prompt
     if len(protocols) < 2:
         return {"all": rows}
-    return {protocol: [row for row in rows if row.get("protocol") == protocol] for protocol in protocols}
+    return {
+        protocol: [row for row in rows if (row.get("protocol") or "in-prompt") == protocol] for protocol in protocols
+    }
 
 
 def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str = "", plots: bool = True) -> dict:
@@ -66,7 +70,7 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
             label = metric.label + named
             pieces["tables"].append((label, markdown_table(records, metric.digits)))
             pieces["comparisons"].append((label, comparison_table(comparisons, metric.digits + 1)))
-            by_block = comparison_records(view_rows, metric, benchmark, blocks=True)
+            by_block = _in_view(comparison_records(view_rows, metric, benchmark, blocks=True), view)
             if by_block:
                 pieces["block_comparisons"].append((label, comparison_table(by_block, metric.digits + 1)))
             against_best = _in_view(best_base_records(view_rows, metric, benchmark), view)
@@ -82,7 +86,7 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
                     subtask_records = summary_records(view_rows, metric, benchmark, subtask)
                     pieces["records"] += subtask_records
                     table = markdown_table(subtask_records, metric.digits)
-                    pieces["tables"].append((f"{metric.label} — {subtask}", table))
+                    pieces["tables"].append((f"{metric.label} — {subtask}{named}", table))
         for figure in task.figures if plots else ():
             pieces["plots"] += [(caption + named, path) for caption, path in FIGURES[figure](view_rows, out, prefix)]
     write_csv(out / f"{plot_prefix}{benchmark}_summary.csv", pieces["records"])

@@ -161,12 +161,11 @@ def best_base_records(rows: list[dict], metric: MetricSpec, benchmark: str, task
             continue
         best_base = max(bases, key=lambda p: sign * mean(p))
         best_paper = max(papers, key=lambda p: sign * mean(p))
-        gap = mean("oracle") - mean(best_paper) if "oracle" in at else None
         for policy in policy_order(list(at)):
             if policy == FULL:
                 continue
             est = paired_difference(at[policy], at[best_base])
-            closed = (mean(policy) - mean(best_paper)) / gap if gap else None
+            closed = _gap_closed(at, policy, best_paper, sign)
             records.append(
                 {
                     "benchmark": benchmark,
@@ -186,6 +185,24 @@ def best_base_records(rows: list[dict], metric: MetricSpec, benchmark: str, task
                 }
             )
     return records
+
+
+def _gap_closed(cells: dict[str, dict], policy: str, best_paper: str, sign: float) -> float | None:
+    """``(policy − best paper) / (oracle − best paper)`` on the units all three share; None without an oracle, or
+    where the oracle is not better than the best paper policy (the share would have no meaning)."""
+    if "oracle" not in cells:
+        return None
+    units = cells[policy].keys() & cells[best_paper].keys() & cells["oracle"].keys()
+    if not units:
+        return None
+
+    def mean(name):
+        return sum(cells[name][unit] for unit in units) / len(units)
+
+    gap = mean("oracle") - mean(best_paper)
+    if sign * gap <= 0:
+        return None
+    return (mean(policy) - mean(best_paper)) / gap + 0.0  # + 0.0: no "-0 %"
 
 
 def best_base_table(records: list[dict], digits: int = 3) -> str:
