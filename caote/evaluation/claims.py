@@ -56,6 +56,7 @@ def _paired_claim(
     budgets: list[int],
     pairs: Callable[[int], tuple],
     favours_lower: bool,
+    digits: int = 4,
 ) -> Claim:
     """A claim that ``treated − control`` moves in one direction at every budget (``pairs(budget)`` gives the two
     cells' ``{unit: value}``; ``favours_lower``: the claim holds when the difference is below zero)."""
@@ -74,7 +75,7 @@ def _paired_claim(
         outcomes[budget] = "for" if holds else "against" if (below or above) else "unclear"
         if est.n < MIN_PAIRED_UNITS:
             outcomes[budget] = "too few"
-        evidence.append(f"b={budget}: {_cell(est)} (n={est.n})")
+        evidence.append(f"b={budget}: {_cell(est, digits)} (n={est.n})")
     return Claim(claim, source, test, "; ".join(evidence) or "–", _verdict(outcomes))
 
 
@@ -134,6 +135,7 @@ def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> lis
                 budgets,
                 lambda b, base=base: (ppl.get((f"{base}+caote", b)), ppl.get((base, b))),
                 favours_lower=True,
+                digits=3,
             )
         )
     for protocol in sorted({row.get("protocol", "in-prompt") for row in niah_rows}):
@@ -146,6 +148,7 @@ def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> lis
                 budgets,
                 lambda b, scores=scores: (scores.get(("h2o+caote", b)), scores.get(("h2o", b))),
                 favours_lower=False,
+                digits=2,
             )
         )
     result.append(_equivalence_claim(kl, budgets))
@@ -158,6 +161,7 @@ def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> lis
                 budgets,
                 lambda b, other=other: (_caote_gain(kl, "h2o", b), _caote_gain(kl, other, b)),
                 favours_lower=False,
+                digits=3,
             )
         )
     ablated = [base for base in PAPER_BASES if any(policy == f"{base}+caote/mean" for policy, _ in kl)]

@@ -160,11 +160,12 @@ def write_results_md(
         f"{', '.join(map(str, grid.budgets))} tokens per layer and KV head; prompts consumed in blocks of 128 with "
         "eviction after every block, greedy decoding.",
         *setup_lines(configs, rows),
+        *(f"- {note}" for note in grid.notes),
         f"- {INTERVAL_NOTE}",
         "",
         "## Headline: every policy × budget (mean [95 % CI]; full cache first)",
         "",
-        "NIAH and RULER: higher is better (one or two examples per cell in the quick grid: the intervals are wide). "
+        "NIAH and RULER: higher is better (the interval shows how many examples a cell has: few make it wide). "
         "PPL − full, KL (nats per token, from the full cache's next-token distribution) and attention-output error "
         "(‖O − O_full‖/‖O_full‖, mean over layers): lower is better, over the essay texts.",
         "",
