@@ -138,6 +138,17 @@ def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> lis
                 digits=3,
             )
         )
+    for base in PAPER_BASES:
+        result.append(
+            _paired_claim(
+                f"CAOTE lowers the KL from the full cache for {base.upper() if base == 'h2o' else base}",
+                "ours (the premise of §3: a smaller attention-output change)",
+                f"paired Δ KL ({base}+caote − {base}) per essay < 0 at every budget",
+                budgets,
+                lambda b, base=base: (kl.get((f"{base}+caote", b)), kl.get((base, b))),
+                favours_lower=True,
+            )
+        )
     for protocol in sorted({row.get("protocol", "in-prompt") for row in niah_rows}):
         scores = values_by_cell([r for r in niah_rows if r.get("protocol", "in-prompt") == protocol], "score")
         result.append(

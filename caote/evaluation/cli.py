@@ -116,7 +116,7 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
             "type": Path,
             "default": None,
             "help": "regenerate the committed documents: DOCS/results.md, plots under DOCS/results/, rows under "
-            "DOCS/results/runs/<grid> (resumed: delete them to recompute); e.g. --grid quick --docs docs. Without "
+            "DOCS/results/runs/<grid> (resumed: delete them to recompute); e.g. --grid standard --docs docs. Without "
             "it nothing outside --out is written",
         },
         "report",
