@@ -51,8 +51,9 @@ TRY_GRID = Grid(
 )
 
 
-# quick (docs/results.md): about 23 min of rows on 2 idle cores (31 policy x budget settings: ~124 answers of ~1k-token
-# prompts plus two 1k-token texts in lockstep; summed row seconds of the committed rows); the full grid takes hours
+# quick (the smoke grid; docs/results.md until the standard grid replaced it): about 23 min of rows on 2 idle cores
+# (31 policy x budget settings: ~124 answers of ~1k-token prompts plus two 1k-token texts; summed row seconds of its
+# rows of 2026-11-29); the full grid takes hours
 QUICK_GRID = Grid(
     "quick",
     budgets=(128, 256, 512),
@@ -89,7 +90,8 @@ STANDARD_GRID = Grid(
     policies=tuple(expand_policies("paper")) + ("oracle",),
     notes=(
         "RULER-style tasks are not in this grid: with the bundled 135M model the full cache itself scores 0 on them "
-        "(quick grid), so they cannot separate policies; `--grid full` keeps them for bigger models.",
+        "(the quick grid's rows, in git history), so they cannot separate policies; `--grid full` keeps them for "
+        "bigger models.",
         "NIAH depth 10 % is left out: the full cache answers it by repeating the question with this model.",
     ),
 )
