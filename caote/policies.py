@@ -260,6 +260,11 @@ def parse_policy(name: str) -> Policy:
     return Policy(name, BASE_SCORES[base], transform or "none")
 
 
+def hindsight_policies(names: list[str]) -> list[str]:
+    """The policies among ``names`` that need the future (``oracle``): teacher-forced texts only."""
+    return [name for name in names if parse_policy(name).evicts and parse_policy(name).base.needs_future]
+
+
 def expand_policies(spec: str) -> list[str]:
     """``"h2o,h2o+caote"`` or a group name (``"paper"``, ``"all"``) -> validated policy names."""
     names: list[str] = []

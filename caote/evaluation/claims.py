@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from caote.defaults import PAPER_BASES
+from caote.evaluation.examples import row_protocol
 from caote.evaluation.stats import Estimate, paired_difference
 from caote.evaluation.tables import MIN_PAIRED_UNITS, values_by_cell
 from caote.policies import expand_policies
@@ -126,31 +127,25 @@ def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> lis
     niah_rows = rows.get("niah", [])
     budgets = list(budgets) if budgets else _budgets(kl, values_by_cell(niah_rows, "score"))
     result = []
-    for base in PAPER_BASES:
-        result.append(
-            _paired_claim(
-                f"CAOTE lowers perplexity for {base.upper() if base == 'h2o' else base}",
-                "Table 4",
-                f"paired Δ PPL ({base}+caote − {base}) per essay < 0 at every budget",
-                budgets,
-                lambda b, base=base: (ppl.get((f"{base}+caote", b)), ppl.get((base, b))),
-                favours_lower=True,
-                digits=3,
+    lowered = (
+        ("perplexity", "PPL", ppl, "Table 4", 3),
+        ("the KL from the full cache", "KL", kl, "ours (the premise of §3: a smaller attention-output change)", 4),
+    )
+    for what, short, cells, source, digits in lowered:
+        for base in PAPER_BASES:
+            result.append(
+                _paired_claim(
+                    f"CAOTE lowers {what} for {base.upper() if base == 'h2o' else base}",
+                    source,
+                    f"paired Δ {short} ({base}+caote − {base}) per essay < 0 at every budget",
+                    budgets,
+                    lambda b, base=base, cells=cells: (cells.get((f"{base}+caote", b)), cells.get((base, b))),
+                    favours_lower=True,
+                    digits=digits,
+                )
             )
-        )
-    for base in PAPER_BASES:
-        result.append(
-            _paired_claim(
-                f"CAOTE lowers the KL from the full cache for {base.upper() if base == 'h2o' else base}",
-                "ours (the premise of §3: a smaller attention-output change)",
-                f"paired Δ KL ({base}+caote − {base}) per essay < 0 at every budget",
-                budgets,
-                lambda b, base=base: (kl.get((f"{base}+caote", b)), kl.get((base, b))),
-                favours_lower=True,
-            )
-        )
-    for protocol in sorted({row.get("protocol", "in-prompt") for row in niah_rows}):
-        scores = values_by_cell([r for r in niah_rows if r.get("protocol", "in-prompt") == protocol], "score")
+    for protocol in sorted({row_protocol(row) for row in niah_rows}):
+        scores = values_by_cell([r for r in niah_rows if row_protocol(r) == protocol], "score")
         result.append(
             _paired_claim(
                 f"CAOTE raises H2O's NIAH score ({protocol})",

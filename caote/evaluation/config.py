@@ -15,7 +15,7 @@ from caote.cache import DEFAULT_BLOCK_SIZE
 from caote.evaluation.examples import PROTOCOLS
 from caote.evaluation.registry import BENCHMARKS, REPORT, TASKS
 from caote.generation import check_settings
-from caote.policies import expand_policies, parse_policy
+from caote.policies import expand_policies, hindsight_policies, parse_policy
 
 SPLITS = ("dev", "test")
 DEFAULT_POLICIES = "paper"  # when --policies is not given (report: the grid's own, if it has some)
@@ -67,11 +67,6 @@ def check_budgets(policies: list[str], budgets: list[int], block_size: int = DEF
                 check_settings(budget=budget, policy=name, block_size=block_size)
             except ValueError as error:
                 raise ValueError(f"--budgets: {budget} is too small for {name} ({error})") from None
-
-
-def hindsight_policies(policies: list[str]) -> list[str]:
-    """The policies among ``policies`` that need the future (``oracle``): teacher-forced texts tasks only."""
-    return [name for name in policies if parse_policy(name).evicts and parse_policy(name).base.needs_future]
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 PROTOCOLS = {"in-prompt": None, "question-after": "context", "question-after-bounded": "all"}
 
 
+def row_protocol(row: dict) -> str:
+    """The protocol a row was answered under (rows written before protocols existed were ``in-prompt``)."""
+    return row.get("protocol") or "in-prompt"
+
+
 @dataclass(frozen=True)
 class Example:
     """One prompt to answer and how to score the answer.

@@ -3,6 +3,7 @@ NIAH hits, KL from the full cache and the KV memory saved, read from the rows (n
 
 from __future__ import annotations
 
+from caote.evaluation.examples import row_protocol
 from caote.evaluation.reference import FULL
 from caote.evaluation.tables import policy_order
 
@@ -15,7 +16,7 @@ def glance_rows(rows: dict[str, list[dict]]) -> list[dict]:
     """``{"policy", "budget", "hits", "examples", "kl", "kv_saved"}`` per setting found in the rows of a report;
     ``kv_saved`` is 1 - peak KV bytes / the full cache's peak on the same NIAH prompts (else 1 - budget / tokens of
     the perplexity texts); None where a task has no row for the setting. NIAH counts the in-prompt protocol."""
-    niah = [r for r in rows.get("niah", []) if r.get("protocol", "in-prompt") == "in-prompt"]  # one protocol
+    niah = [r for r in rows.get("niah", []) if row_protocol(r) == "in-prompt"]  # one protocol
     texts = rows.get("perplexity", [])
     full_peak = {r["example_id"]: r.get("peak_kv_bytes") for r in niah if r["policy"] == FULL}
     settings = {(r["policy"], r.get("budget")) for value in (niah, texts) for r in value}

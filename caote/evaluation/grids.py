@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from caote.evaluation.config import DEFAULT_POLICIES, EvalConfig, hindsight_policies
+from caote.evaluation.config import DEFAULT_POLICIES, EvalConfig
 from caote.evaluation.reference import FULL
 from caote.evaluation.registry import TASKS
-from caote.policies import expand_policies
+from caote.policies import expand_policies, hindsight_policies
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from caote.cache import DEFAULT_BLOCK_SIZE, CacheSnapshot, EvictionCache, Evicti
 from caote.evaluation.fidelity import AttentionCapture, FidelityMeter, measured
 from caote.evaluation.reference import FULL, cache_budget
 from caote.future import FutureAttention
-from caote.policies import parse_policy
+from caote.policies import hindsight_policies, parse_policy
 from caote.scoring import group_query_heads
 
 
@@ -248,7 +248,7 @@ def lockstep_results(
 ) -> Iterator[dict]:
     """One full-cache pass over ``input_ids`` ``(1, T)``, then the result of every ``(policy, budget)`` in ``runs``,
     yielded as soon as it is computed (so a caller can save each one), each with the full cache's PPL."""
-    needs_future = any(parse_policy(policy).evicts and parse_policy(policy).base.needs_future for policy, _ in runs)
+    needs_future = bool(hindsight_policies([policy for policy, _ in runs]))
     tokens = input_ids.shape[-1]
     starts = {skippable_blocks(policy, budget, block_size, tokens) for policy, budget in runs} if skip_prefix else set()
     began = time.perf_counter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from caote.evaluation.examples import row_protocol
 from caote.evaluation.plots import FIGURES, plot_metric_vs_budget
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import load_rows
@@ -34,12 +35,10 @@ def views(rows: list[dict]) -> dict[str, list[dict]]:
     different questions and must not be averaged together), else ``{"all": rows}``."""
     if not any(row.get("protocol") for row in rows):
         return {"all": rows}
-    protocols = sorted({row.get("protocol") or "in-prompt" for row in rows})  # rows before protocols: in-prompt
+    protocols = sorted({row_protocol(row) for row in rows})
     if len(protocols) < 2:
         return {"all": rows}
-    return {
-        protocol: [row for row in rows if (row.get("protocol") or "in-prompt") == protocol] for protocol in protocols
-    }
+    return {protocol: [row for row in rows if row_protocol(row) == protocol] for protocol in protocols}
 
 
 def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str = "", plots: bool = True) -> dict:
