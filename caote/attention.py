@@ -151,6 +151,7 @@ class ForwardSwitch:
         implementation, token = self._restore.pop()
         self._model.set_attn_implementation(implementation)
         _ACTIVE.reset(token)
+        cache.after_forward(self._model, output, kwargs)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

@@ -28,6 +28,7 @@ from caote.attention import (
 )
 from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS
 from caote.future import FutureAttention
+from caote.lookahead import draft
 from caote.policies import Policy, ScoreInputs, parse_policy
 from caote.scoring import GQA_AGGREGATIONS, accumulate_attention, keep_recent_rows
 
@@ -207,6 +208,11 @@ class EvictionCache(Cache):
         self.future = future
         attention_modules(model)  # refuses an unsupported family or backend in one line
         windows = sliding_windows(model)
+        if self.policy.evicts and self.policy.base.lookahead and any(window is not None for window in windows):
+            raise ValueError(
+                f"policy {self.policy.name!r} drafts tokens and drops them again, which sliding-window layers "
+                "cannot undo; pick caote-block for a model with sliding-window layers"
+            )
         every_layer_slides = all(window is not None for window in windows)
         self.recent_window = validate_settings(
             self.policy, budget, block_size, sink_tokens, recent_window, gqa, decode_eviction_interval
@@ -229,6 +235,9 @@ class EvictionCache(Cache):
         self._total_bytes = 0
         self._mask_seen: tuple[weakref.ref, torch.Tensor | None] | None = None
         self.frozen = False
+        self._pending: dict[int, int] = {}  # layer -> tokens it held before a look-ahead draft, awaiting eviction
+        self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
+        self._drafting = False
         self._switch = ForwardSwitch(model, self)
 
     def __repr__(self):
@@ -344,10 +353,20 @@ class EvictionCache(Cache):
         self._record_positions(layer, kwargs, real)
         if not self.policy.evicts or self.frozen:
             return
+        if self._drafting:
+            self._record_draft(index, module, queries, attention_mask, kwargs, real)
+            return
         self._record_attention(layer, module, queries, attention_mask, kwargs, real)
         if layer.retained <= self.budget:
             return
-        kept = self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1
+        if new > 1 and self.policy.base.lookahead:
+            self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's queries are seen
+            return
+        self._evict(index, self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1)
+
+    def _evict(self, index: int, kept: int, ahead_rows: torch.Tensor | None = None) -> None:
+        """Score layer ``index``'s tokens and keep its top ``kept``."""
+        layer = self.layers[index]
         inputs = ScoreInputs(
             keys=layer.keys,
             values=layer.values,
@@ -359,10 +378,46 @@ class EvictionCache(Cache):
             future=self.future.at(index, layer.cumulative_length, layer.positions)
             if self.policy.base.needs_future
             else None,
+            ahead_rows=ahead_rows,
         )
         scores = self._protect(self.policy.scores(inputs, self.gqa), layer.positions)
         layer.keep(scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
         self._account(index)
+
+    def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None:
+        """Called when a forward given this cache ends: a look-ahead policy (``caote-ahead``) whose prompt block
+        overflowed the budget drafts its tokens now (`caote.lookahead.draft`), drops their keys and values, and
+        evicts every waiting layer with the draft's queries among its rows. ``output`` is None when the forward
+        raised."""
+        if not self._pending or self._drafting:
+            return
+        if output is None:
+            self._pending = {}
+            return
+        self._drafting = True
+        try:
+            draft(model, self, output[0], forward_kwargs, self.policy.base.lookahead)
+        finally:
+            self._drafting = False
+            pending, self._pending = self._pending, {}
+            drafted, self._drafted = self._drafted, {}
+        for index, tokens in pending.items():
+            layer = self.layers[index]
+            layer.cumulative_length -= layer.retained - tokens
+            layer.keys, layer.values = layer.keys[..., :tokens, :], layer.values[..., :tokens, :]
+            layer.positions = layer.positions[..., :tokens]
+            self._evict(index, self.budget, torch.cat(drafted[index], dim=-2) if index in drafted else None)
+
+    def _record_draft(self, index, module, queries, attention_mask, kwargs, real) -> None:
+        """Keep a draft query's attention over the tokens a waiting layer held before the draft."""
+        tokens = self._pending.get(index)
+        if tokens is None:
+            return
+        layer = self.layers[index]
+        row = attention_probabilities(module, queries[:, :, -1:], layer.keys, layer.values, attention_mask, kwargs)
+        if real is not None:
+            row = row * real[:, -1:][:, None, :, None]
+        self._drafted.setdefault(index, []).append(row[..., :tokens])
 
     def _account(self, index: int) -> None:
         """Bring the running total of KV bytes up to date with layer ``index`` (O(1), unlike summing all layers)."""

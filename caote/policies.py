@@ -32,6 +32,7 @@ class ScoreInputs:
     recent_rows: torch.Tensor | None = None  # (B, H_q, R, N) attention of the newest queries ("recent" rows)
     generator: torch.Generator | None = None  # CPU generator, for bases that need random numbers
     future: torch.Tensor | None = None  # (B, H_kv, N) attention from later queries (hindsight, `caote.future`)
+    ahead_rows: torch.Tensor | None = None  # (B, H_q, k, N) attention of k drafted queries (look-ahead bases)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,8 @@ class BaseScore:
     ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
     ``needs_future``: the score reads the attention of later queries (`caote.future.FutureAttention`), known only on
     a teacher-forced text: a hindsight ceiling for evaluation, refused for generation.
+    ``lookahead``: before each prompt block's eviction the model drafts this many tokens greedily and the score also
+    reads their queries' attention (``ahead_rows``; `caote.lookahead`); 0 for none.
     """
 
     name: str
@@ -65,11 +68,21 @@ class BaseScore:
     needs_random: bool = False
     rank_only: bool = False
     needs_future: bool = False
+    lookahead: int = 0
 
 
 SNAPKV_WINDOW = 32
 SNAPKV_KERNEL = 5
 BLOCK_ROWS = 128  # caote-block's rows: the default prefill block
+LOOKAHEAD_TOKENS = 8  # caote-ahead's greedy draft before each prompt block's eviction
+
+
+def rows_and_draft(inputs: ScoreInputs) -> torch.Tensor:
+    """The recent attention rows followed by the drafted queries' rows, when a draft ran."""
+    if inputs.ahead_rows is None:
+        return inputs.recent_rows
+    return torch.cat([inputs.recent_rows, inputs.ahead_rows], dim=-2)
+
 
 BASE_SCORES: dict[str, BaseScore] = {
     base.name: base
@@ -160,6 +173,19 @@ BASE_SCORES: dict[str, BaseScore] = {
             query_rows="recent",
             query_window=BLOCK_ROWS,
             rank_only=True,
+        ),
+        BaseScore(
+            name="caote-ahead",
+            score=lambda x: scoring.multi_row_caote_score(rows_and_draft(x), x.values),
+            summary=f"beyond the paper: caote-block whose rows also include the queries of {LOOKAHEAD_TOKENS} tokens "
+            "the model drafts greedily before each prompt block's eviction (decode steps: caote-block); costs "
+            f"{LOOKAHEAD_TOKENS} one-token forwards per prompt block, and every layer holds budget + block tokens "
+            "until the block's forward ends",
+            reference="this library; draft queries as in Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334",
+            query_rows="recent",
+            query_window=BLOCK_ROWS,
+            rank_only=True,
+            lookahead=LOOKAHEAD_TOKENS,
         ),
         BaseScore(
             name="oracle",

@@ -50,7 +50,7 @@ def tiny_run(tmp_path_factory):
 def test_every_sample_is_recorded_round_robin(tiny_run):
     document, _ = tiny_run
     configurations = document["meta"]["configurations"]
-    assert configurations == ["full-sdpa", "full-blocks", *TINY_RUN["policies"]]
+    assert configurations == ["full-sdpa", "full-blocks", "full@b", *TINY_RUN["policies"]]
     samples = document["samples"]
     assert len(samples) == len(configurations) * 3  # 2 repeats at 48 tokens, 1 at 96
     for sample in samples:
@@ -66,7 +66,7 @@ def test_every_sample_is_recorded_round_robin(tiny_run):
 def test_decoding_only_for_full_cache_and_decode_policies(tiny_run):
     document, _ = tiny_run
     for sample in document["samples"]:
-        decoded = sample["configuration"] in ("full-sdpa", *TINY_RUN["decode_policies"])
+        decoded = sample["configuration"] in ("full-sdpa", "full@b", *TINY_RUN["decode_policies"])
         assert ("decode_tokens_per_s" in sample) == decoded
         if decoded:
             assert sample["decode_tokens_per_s"] > 0 and sample["decode_kv_bytes_per_token"] > 0
@@ -77,7 +77,9 @@ def test_kv_bytes_are_bounded_by_budget_plus_block(tiny_run):
     meta = document["meta"]
     per_token = 2 * meta["layers"] * meta["kv_heads"] * meta["head_dim"] * 4  # fp32 keys + values, all layers
     for sample in document["samples"]:
-        if sample["configuration"].startswith("full"):
+        if sample["configuration"] == "full@b":  # the prompt's last budget tokens only
+            assert sample["kv_peak_bytes"] == per_token * min(TINY_RUN["budget"], sample["context"])
+        elif sample["configuration"].startswith("full"):
             assert sample["kv_peak_bytes"] == per_token * sample["context"]
         else:
             assert sample["kv_peak_bytes"] <= per_token * (TINY_RUN["budget"] + TINY_RUN["block_size"])
@@ -98,6 +100,8 @@ def test_summary_has_medians_ratios_and_targets(tiny_run):
     names = [target["target"] for target in summary["targets"]]
     assert "tova+caote / tova time @ 96" in names
     assert "decode speed-up tova+caote @ 96" in names
+    assert ratios["tova+caote"]["decode_vs_full_at_budget"] > 0  # decoding against a full cache of budget tokens
+    assert "decode tova+caote / full@b @ 96" in names and "decode streamingllm / full@b @ 48" in names
     assert "prefill streamingllm vs full-sdpa @ 96" in names
     assert summary["targets_total"] == len(summary["targets"])
     assert all(isinstance(target["met"], bool) for target in summary["targets"])

@@ -1,5 +1,6 @@
-"""Beyond the paper: the exact CAOTE error over many real query rows (`caote-window`, `caote-block`), checked
-against a float64 brute force that evicts, renormalises and recomputes every row's output."""
+"""Beyond the paper: the exact CAOTE error over many real query rows (`caote-window`, `caote-block`, and
+`caote-ahead` with the queries of a greedy draft), checked against a float64 brute force that evicts, renormalises
+and recomputes every row's output, and against the attention of a full-cache forward."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import math
 
 import pytest
 import torch
-from conftest import random_ids
+from conftest import random_ids, tiny_model
 
 from caote.cache import EvictionCache
 from caote.evaluation.lockstep import lockstep
+from caote.policies import LOOKAHEAD_TOKENS
 from caote.scoring import caote_score, multi_row_caote_score
 
 
@@ -64,7 +66,7 @@ def test_one_row_is_caote_itself():
     assert torch.allclose(multi_row_caote_score(rows, values), single, rtol=1e-12)
 
 
-@pytest.mark.parametrize("policy", ["caote-window", "caote-block"])
+@pytest.mark.parametrize("policy", ["caote-window", "caote-block", "caote-ahead"])
 def test_row_policies_keep_the_budget_and_are_refused_a_caote_suffix(llama, policy):
     ids = random_ids(200, seed=8)
     cache = EvictionCache(llama, budget=48, policy=policy, block_size=32)
@@ -75,3 +77,41 @@ def test_row_policies_keep_the_budget_and_are_refused_a_caote_suffix(llama, poli
     assert lockstep(llama, ids, [(policy, 48)], block_size=32)[0]["kl"] > 0
     with pytest.raises(ValueError, match="unknown policy"):
         EvictionCache(llama, budget=48, policy=f"{policy}+caote")
+
+
+def test_the_look_ahead_scores_with_the_queries_of_the_greedy_draft(monkeypatch):
+    """caote-ahead's first eviction reads, besides the block's rows, the attention of the greedy draft's queries over
+    the tokens held before it, exactly as one eager full-cache forward over prompt + draft computes them; the draft
+    leaves no trace in the cache, and every layer held budget + block + draft tokens at the peak."""
+    model = tiny_model("llama", attn_implementation="eager")
+    ids = random_ids(64, seed=9)
+    drafted = {}
+    evict = EvictionCache._evict
+
+    def spy(self, index, kept, ahead_rows=None):
+        drafted.setdefault(index, ahead_rows)
+        return evict(self, index, kept, ahead_rows)
+
+    monkeypatch.setattr(EvictionCache, "_evict", spy)
+    cache = EvictionCache(model, budget=48, policy="caote-ahead", block_size=32)
+    with cache, torch.no_grad():
+        for start in (0, 32):
+            model(input_ids=ids[:, start : start + 32], cache=cache, use_cache=True)
+        continuation = model.generate(
+            ids, max_new_tokens=LOOKAHEAD_TOKENS, min_new_tokens=LOOKAHEAD_TOKENS, do_sample=False, pad_token_id=0
+        )
+        attentions = model(continuation, output_attentions=True).attentions
+    assert sorted(drafted) == list(range(len(cache.layers)))
+    for index, rows in drafted.items():
+        expected = attentions[index][:, :, 64:, :64]
+        assert rows.shape == expected.shape == (1, 4, LOOKAHEAD_TOKENS, 64)
+        assert torch.allclose(rows, expected, atol=1e-6)
+    for layer in cache.layers:
+        assert layer.retained == 48 and layer.cumulative_length == 64 and int(layer.positions.max()) == 63
+    per_token = cache.kv_bytes() // (48 * len(cache.layers))
+    assert cache.stats().peak_kv_bytes == per_token * len(cache.layers) * (64 + LOOKAHEAD_TOKENS)
+
+
+def test_the_look_ahead_is_refused_for_sliding_window_layers():
+    with pytest.raises(ValueError, match="sliding-window layers cannot undo"):
+        EvictionCache(tiny_model("gemma2", attn_implementation="eager"), budget=48, policy="caote-ahead", block_size=32)

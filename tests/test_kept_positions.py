@@ -3,8 +3,9 @@
 A refactor is "unchanged" when it reproduces the fixture exactly: the positions each layer and KV head holds after a
 block-wise prefill (budget 128, blocks of 128) and after 8 greedy decode steps, and the decoded tokens.
 
-Record the fixture again (only when a change is *meant* to alter which tokens are kept, and say so in the commit):
-``python tests/test_kept_positions.py``.
+Record the entries of new policies: ``python tests/test_kept_positions.py`` (the others stay as committed). Record
+every entry again (only when a change is *meant* to alter which tokens are kept, and say so in the commit):
+``python tests/test_kept_positions.py --all``.
 """
 
 from __future__ import annotations
@@ -55,14 +56,17 @@ def kept_positions(model, input_ids: torch.Tensor, policy: str) -> dict:
     return {"prefill": _encode(after_prefill), "decode": _encode(after_decode), "tokens": tokens}
 
 
-def record(model, tokenizer) -> dict:
+def record(model, tokenizer, recorded: dict) -> dict:
+    """``recorded`` plus the entries it lacks, for every evicting policy on both prompts."""
     prompts = fixed_prompts(tokenizer)
-    return {
-        f"{prompt}/{policy}": kept_positions(model, ids, policy)
-        for prompt, ids in prompts.items()
-        for policy in policy_names()
-        if policy != "full"
-    }
+    entries = dict(recorded)
+    for prompt, ids in prompts.items():
+        for policy in policy_names():
+            key = f"{prompt}/{policy}"
+            if policy != "full" and key not in entries:
+                print(f"recording {key}", file=sys.stderr)
+                entries[key] = kept_positions(model, ids, policy)
+    return entries
 
 
 @pytest.fixture(scope="module")
@@ -94,5 +98,7 @@ def test_every_policy_keeps_the_recorded_positions(bundled, expected, prompts, p
 
 if __name__ == "__main__":
     model, tokenizer = load_model("smollm2-135m")
-    FIXTURE.write_bytes(gzip.compress(json.dumps(record(model, tokenizer), sort_keys=True).encode(), mtime=0))
+    recorded = {} if "--all" in sys.argv or not FIXTURE.exists() else json.loads(gzip.decompress(FIXTURE.read_bytes()))
+    entries = record(model, tokenizer, recorded)
+    FIXTURE.write_bytes(gzip.compress(json.dumps(entries, sort_keys=True).encode(), mtime=0))
     print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes)", file=sys.stderr)

@@ -8,6 +8,10 @@ from caote.defaults import PAPER_BASES
 
 FULL_SDPA = "full-sdpa"
 FULL_BLOCKS = "full-blocks"
+# a full cache that holds only the prompt's last `budget` tokens: the physical reference for decoding with a bounded
+# cache (same KV size, no scoring); its prefill reads budget tokens only, so its prefill time compares with nothing
+FULL_AT_BUDGET = "full@b"
+FULL_CONFIGURATIONS = (FULL_SDPA, FULL_BLOCKS, FULL_AT_BUDGET)
 BASELINE_POLICY = "streamingllm"
 DEFAULT_POLICIES = (BASELINE_POLICY,) + tuple(
     f"{base}{suffix}" for base in PAPER_BASES for suffix in ("", "+caote", "+fastcaote")
@@ -40,10 +44,12 @@ class BenchConfig:
         return int(self.repeats.get(context, max(self.repeats.values(), default=1)))
 
     def configurations(self) -> list[str]:
-        return [FULL_SDPA, FULL_BLOCKS, *self.policies]
+        return [*FULL_CONFIGURATIONS, *self.policies]
 
     def decodes(self, configuration: str) -> bool:
-        return self.new_tokens > 0 and (configuration == FULL_SDPA or configuration in self.decode_policies)
+        return self.new_tokens > 0 and (
+            configuration in (FULL_SDPA, FULL_AT_BUDGET) or configuration in self.decode_policies
+        )
 
 
 def validate_config(config: BenchConfig) -> None:

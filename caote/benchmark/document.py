@@ -43,9 +43,9 @@ def markdown_report(document: dict) -> str:
             f"## Context {context} tokens",
             "",
             "| configuration | n | prefill s | vs full-sdpa | vs streamingllm | vs base | KV peak MiB | "
-            "KV peak / full (bound) | RSS peak MiB | prefill RSS MiB | decode tok/s | decode speed-up "
-            "(traffic bound) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "KV peak / full (bound) | RSS peak MiB | prefill RSS MiB | decode tok/s | decode vs full@b | "
+            "decode speed-up (traffic bound) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name in meta["configurations"]:
             median = summary["medians"].get(name, {}).get(context)
@@ -67,7 +67,8 @@ def markdown_report(document: dict) -> str:
                 f"| {_num(ratio.get('prefill_vs_full_sdpa'))} "
                 f"| {_num(ratio.get('time_vs_streamingllm'), 3)} | {_num(ratio.get('time_vs_base'), 3)} "
                 f"| {_mib(median['kv_peak_bytes'])} | {kv_ratio} | {_mib(median['peak_rss_bytes'])} "
-                f"| {_mib(median['prefill_rss_bytes'])} | {_num(median['decode_tokens_per_s'])} | {speedup} |"
+                f"| {_mib(median['prefill_rss_bytes'])} | {_num(median['decode_tokens_per_s'])} "
+                f"| {_num(ratio.get('decode_vs_full_at_budget'))} | {speedup} |"
             )
         lines.append("")
     lines += [

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from caote.benchmark.config import FULL_BLOCKS, FULL_SDPA
+from caote.benchmark.config import FULL_AT_BUDGET, FULL_BLOCKS, FULL_SDPA
 from caote.benchmark.inputs import load_benchmark_model
 from caote.benchmark.memory import cache_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes, weight_bytes
 from caote.cache import EvictionCache
@@ -41,7 +41,11 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
     peak_reset = reset_peak_rss()
     baseline_rss = rss_bytes()
 
-    if configuration in (FULL_SDPA, FULL_BLOCKS):
+    if configuration == FULL_AT_BUDGET:  # only the last `budget` tokens, in one forward
+        cache = DynamicCache()
+        ids = ids[:, -budget:]
+        context = step = ids.shape[1]
+    elif configuration in (FULL_SDPA, FULL_BLOCKS):
         cache = DynamicCache()
         step = context if configuration == FULL_SDPA else block
     else:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import statistics
 
-from caote.benchmark.config import BASELINE_POLICY, FULL_BLOCKS, FULL_SDPA
+from caote.benchmark.config import BASELINE_POLICY, FULL_AT_BUDGET, FULL_BLOCKS, FULL_CONFIGURATIONS, FULL_SDPA
 
-# Target thresholds of issue 4 (ratios from the same run).
+# Target thresholds (ratios from the same run): +caote / +fastcaote over their base, every scored policy over
+# streamingllm (prefill); decoding with a bounded cache against a full cache of the same size (full@b); decoding
+# against the full cache of the whole context, at the largest context.
 TRANSFORM_OVERHEAD_LIMIT = 1.05
-SCORING_OVERHEAD_LIMIT = 1.15
+SCORING_OVERHEAD_LIMIT = 1.10
+DECODE_VS_FULL_AT_BUDGET_TARGET = 0.9
 DECODE_SPEEDUP_TARGET = 1.5
 
 
@@ -58,7 +61,7 @@ def summarise(document: dict) -> dict:
 
     targets: list[dict] = []
     ratios: dict[str, dict] = {}
-    policies = [name for name in configurations if name not in (FULL_SDPA, FULL_BLOCKS)]
+    policies = [name for name in configurations if name not in FULL_CONFIGURATIONS]
     for context in contexts:
         at = str(context)
         full = medians.get(FULL_BLOCKS, {}).get(at) or medians.get(FULL_SDPA, {}).get(at)
@@ -98,6 +101,18 @@ def summarise(document: dict) -> dict:
                 full_read = medians[FULL_SDPA][at]["decode_kv_bytes_per_token"]
                 own_read = medians[name][at]["decode_kv_bytes_per_token"]
                 entry["decode_speedup_bound"] = (weights + full_read) / (weights + own_read)
+            if decode and medians.get(FULL_AT_BUDGET, {}).get(at, {}).get("decode_tokens_per_s"):
+                entry["decode_vs_full_at_budget"] = _paired_ratio(
+                    samples, "decode_tokens_per_s", name, FULL_AT_BUDGET, context
+                )
+                targets.append(
+                    _target(
+                        f"decode {name} / full@b @ {context}",
+                        entry["decode_vs_full_at_budget"],
+                        ">=",
+                        DECODE_VS_FULL_AT_BUDGET_TARGET,
+                    )
+                )
             row[name] = entry
         ratios[at] = row
     if contexts:

@@ -165,7 +165,7 @@ def best_base_records(rows: list[dict], metric: MetricSpec, benchmark: str, task
             if policy == FULL:
                 continue
             est = paired_difference(at[policy], at[best_base])
-            closed = _gap_closed(at, policy, best_paper, sign)
+            closed = gap_closed(at, policy, best_paper, sign)
             records.append(
                 {
                     "benchmark": benchmark,
@@ -187,7 +187,7 @@ def best_base_records(rows: list[dict], metric: MetricSpec, benchmark: str, task
     return records
 
 
-def _gap_closed(cells: dict[str, dict], policy: str, best_paper: str, sign: float) -> float | None:
+def gap_closed(cells: dict[str, dict], policy: str, best_paper: str, sign: float) -> float | None:
     """``(policy − best paper) / (oracle − best paper)`` on the units all three share; None without an oracle, or
     where the oracle is not better than the best paper policy (the share would have no meaning)."""
     if "oracle" not in cells:
