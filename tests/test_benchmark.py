@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import random_ids
 
 from caote.benchmark import inputs, memory
 from caote.benchmark.cli import config_from_args
 from caote.benchmark.config import TINY_LLAMA, BenchConfig
 from caote.benchmark.document import markdown_report, report_from_json
+from caote.benchmark.interval import decode_kl, interval_study, write_study
 from caote.benchmark.schedule import run_benchmark
 
 TINY_RUN = dict(
@@ -192,3 +194,16 @@ def test_report_from_partial_json(tiny_run, tmp_path):
     rebuilt = report_from_json(tmp_path / "results.json", log=lambda line: None)
     assert rebuilt["summary"]["medians"]["full-sdpa"]["48"]["samples"] == 1
     assert "(unfinished)" in (tmp_path / "results.md").read_text()
+
+
+def test_decode_kl_is_zero_without_eviction_and_grows_with_it(llama, tmp_path):
+    ids = random_ids(96, seed=4)
+    assert decode_kl(llama, ids, "tova+caote", 200, 40, 1)["kl"] < 1e-5  # nothing evicted: the full cache's steps
+    evicting = decode_kl(llama, ids, "tova+caote", 24, 40, 4)
+    assert evicting["kl"] > 1e-4 and evicting["tokens_per_s"] > 0
+    study = interval_study(llama, [ids], "tova+caote", 24, 40, (1, 4))
+    assert study["summary"][4]["kl"] == pytest.approx(evicting["kl"]) and len(study["samples"]) == 2
+    meta = dict(policy="tova+caote", budget=24, tokens=96, prompt_tokens=40, texts=1, split="dev", machine="m",
+                started="now", load=[0.0])  # fmt: skip
+    text = write_study(study, meta, tmp_path).read_text()
+    assert "| 4 |" in text and (tmp_path / "decode_interval.json").is_file()
