@@ -1,6 +1,6 @@
 """caote: bounded KV-cache memory for Hugging Face causal LMs with value-aware token eviction (CAOTE).
 
-``caote.generate(model, tokenizer, prompt, budget=256, policy="tova+caote")`` answers a prompt while every layer keeps
+``caote.generate(model, tokenizer, prompt, budget=256, policy="h2o+caote")`` answers a prompt while every layer keeps
 at most ``budget`` KV tokens; ``EvictionCache`` plugs the same bounded cache into ``model.generate``; importing caote
 also registers the ``caote-text-generation`` transformers pipeline (one compressed context, several questions).
 

@@ -26,7 +26,7 @@ from caote.attention import (
     attention_probabilities,
     sliding_windows,
 )
-from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY, DEFAULT_SINK_TOKENS
 from caote.future import FutureAttention
 from caote.lookahead import draft
 from caote.policies import Policy, ScoreInputs, parse_policy
@@ -190,7 +190,7 @@ class EvictionCache(Cache):
         self,
         model: nn.Module,
         budget: int,
-        policy: str = "tova+caote",
+        policy: str = DEFAULT_POLICY,
         block_size: int = DEFAULT_BLOCK_SIZE,
         sink_tokens: int = DEFAULT_SINK_TOKENS,
         recent_window: int | None = None,
@@ -478,7 +478,7 @@ class EvictionCache(Cache):
             probabilities = probabilities * real[:, -rows:][:, None, :, None]
         if base.query_rows == "all":
             layer.accumulated = accumulate_attention(layer.accumulated, probabilities)
-        else:
+        if base.query_rows == "recent" or base.query_window > 1:  # a running sum may read the newest rows too
             layer.recent_rows = keep_recent_rows(layer.recent_rows, probabilities, base.query_window)
 
     def _rows_needed(self, layer: EvictionLayer) -> bool:

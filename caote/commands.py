@@ -13,10 +13,9 @@ import tempfile
 from pathlib import Path
 
 from caote.arguments import UsageError, memory_limits, positive_int
-from caote.defaults import DEFAULT_BLOCK_SIZE
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY
 
 DEFAULT_BUDGET = 512
-DEFAULT_POLICY = "tova+caote"
 DEFAULT_MAX_NEW_TOKENS = 64
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -9,3 +9,6 @@ from __future__ import annotations
 DEFAULT_BLOCK_SIZE = 128  # prompt tokens per prefill block
 DEFAULT_SINK_TOKENS = 4  # first tokens every policy keeps (attention sinks)
 PAPER_BASES = ("h2o", "tova", "snapkv")  # the base policies of the CAOTE paper, each also with +caote / +fastcaote
+# the policy of EvictionCache, caote.generate, the pipeline and `caote generate` unless one is named: set by the
+# standard grid of docs/results.md (see the README's "Which policy" paragraph)
+DEFAULT_POLICY = "h2o+caote"

