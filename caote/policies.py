@@ -52,6 +52,8 @@ class BaseScore:
     ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
     ``needs_future``: the score reads the attention of later queries (`caote.future.FutureAttention`), known only on
     a teacher-forced text: a hindsight ceiling for evaluation, refused for generation.
+    ``paper_base``: for a policy beyond the paper, the paper base that reads the same kind of query rows (its best
+    variant is the reference of docs/results.md's "beyond the paper" section).
     ``lookahead``: before each prompt block's eviction the model drafts this many tokens greedily and the score also
     reads their queries' attention (``ahead_rows``; `caote.lookahead`); 0 for none.
     """
@@ -69,6 +71,7 @@ class BaseScore:
     needs_random: bool = False
     rank_only: bool = False
     needs_future: bool = False
+    paper_base: str | None = None
     lookahead: int = 0
 
 
@@ -164,6 +167,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             query_rows="recent",
             query_window=SNAPKV_WINDOW,
             rank_only=True,
+            paper_base="snapkv",
         ),
         BaseScore(
             name="caote-block",
@@ -174,6 +178,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             query_rows="recent",
             query_window=BLOCK_ROWS,
             rank_only=True,
+            paper_base="h2o",
         ),
         BaseScore(
             name="caote-ahead",
@@ -186,6 +191,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             query_rows="recent",
             query_window=BLOCK_ROWS,
             rank_only=True,
+            paper_base="h2o",
             lookahead=LOOKAHEAD_TOKENS,
         ),
         BaseScore(

@@ -169,24 +169,32 @@ def test_beyond_the_paper_against_every_paper_policy_the_oracle_and_niah():
             "tova": [1.0, 1.1, 0.9, 1.0, 1.2, 0.8],
             "tova+caote": [0.8, 0.9, 0.7, 0.8, 1.0, 0.6],  # the best paper policy
             "oracle": [0.4, 0.5, 0.3, 0.4, 0.6, 0.2],
-            "ours": [0.65, 0.75, 0.55, 0.65, 0.85, 0.45],  # 0.15 below the best paper policy: 3/8 of the gap
-            "close": [0.8, 0.9, 0.7, 0.8, 1.0, 0.6],  # ties the best paper policy
+            "caote-block": [0.6, 0.7, 0.5, 0.6, 0.8, 0.4],  # 0.2 below the best paper policy: half the gap
+            "caote-ahead": [0.8, 0.9, 0.7, 0.8, 1.0, 0.6],  # ties the best paper policy
         }
     )
     niah = [
         {"policy": policy, "budget": 128, "example_id": f"x{i}", "score": score, "protocol": protocol}
         for protocol in ("in-prompt", "question-after")
-        for policy, scores in {"tova": [1.0] * 6, "tova+caote": [0.0] * 6, "ours": [0.0] * 6}.items()
+        for policy, scores in {"tova": [1.0] * 6, "tova+caote": [0.0] * 6, "caote-block": [0.0] * 6}.items()
         for i, score in enumerate(scores)
     ]
-    records = {r["policy"]: r for r in beyond_records({"perplexity": texts, "niah": niah}, ["ours", "close"], [128])}
-    ours, close = records["ours"], records["close"]
-    assert ours["best_paper"] == "tova+caote" and ours["vs_best"].mean == pytest.approx(-0.15)
-    assert ours["unbeaten"] == [] and ours["gap_closed"] == pytest.approx(0.375)
+    records = {
+        r["policy"]: r
+        for r in beyond_records({"perplexity": texts, "niah": niah}, ["caote-block", "caote-ahead"], [128])
+    }
+    ours, close = records["caote-block"], records["caote-ahead"]
+    assert ours["best_paper"] == "tova+caote" and ours["vs_best"].mean == pytest.approx(-0.2)
+    assert ours["unbeaten"] == [] and ours["gap_closed"] == pytest.approx(0.5)
     assert close["unbeaten"] == ["tova+caote"] and close["gap_closed"] == pytest.approx(0.0)
     score, best, difference = ours["niah"]["in-prompt"]
     assert best == "tova" and score.mean == 0.0 and difference.mean == -1.0  # loses every example to TOVA
     lines = target_lines([ours, close], [128])
-    assert "at 1 of 1 budgets — met; oracle gap closed b=128 38% — met" in lines[0]
+    assert "at 1 of 1 budgets — met; oracle gap closed b=128 50% — met" in lines[0]
     assert "loses against the best paper policy at in-prompt b=128, question-after b=128 — not met" in lines[0]
-    assert "| ours | 128 | 0.6500" in beyond_table([ours, close])
+    assert "| caote-block | 128 | 0.6000" in beyond_table([ours, close])
+    window = beyond_records({"perplexity": texts + _text_rows({"caote-window": [0.6] * 6})}, ["caote-window"], [128])
+    assert "vs_base" not in window[0]  # no SnapKV rows: no base to compare with
+    with_snapkv = texts + _text_rows({"snapkv": [1.0] * 6, "snapkv+caote": [0.9] * 6, "caote-window": [0.6] * 6})
+    window = beyond_records({"perplexity": with_snapkv}, ["caote-window"], [128])[0]
+    assert window["base_variant"] == "snapkv+caote" and window["vs_base"].mean == pytest.approx(-0.3)
