@@ -74,6 +74,10 @@ def run_rows(config: EvalConfig, model, tokenizer, rank: int = 0, world: int = 1
 # -- examples tasks --------------------------------------------------------------------------------------------------
 
 
+# evaluation follows the paper: every decoded token evicts one (the rows do not depend on the library's default)
+EVAL_DECODE_EVICTION_INTERVAL = 1
+
+
 def prompt_ids(tokenizer, example: Example) -> torch.Tensor:
     """``(1, T)`` ids of `caote.evaluation.data.prompt_text`: the chat template with the assistant turn opened, then
     ``answer_prefix``; with ``meta["raw_prompt"]`` true the message contents as they are (no template)."""
@@ -93,7 +97,14 @@ def answer(
     """Greedy answer under ``policy`` at ``budget`` (block-wise prefill); returns the text and cache statistics."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     new_ids, stats = generate_ids(
-        model, input_ids, cache_budget(budget), policy, max_new_tokens, block_size, pad_token_id=pad
+        model,
+        input_ids,
+        cache_budget(budget),
+        policy,
+        max_new_tokens,
+        block_size,
+        pad_token_id=pad,
+        decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
     )
     return tokenizer.decode(new_ids, skip_special_tokens=True), {
         "new_tokens": len(new_ids),
@@ -119,6 +130,7 @@ def answer_after_context(
         max_new_tokens=max_new_tokens,
         compress=PROTOCOLS[example.protocol],
         return_stats=True,
+        decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
     )
     stats = output["stats"][-1]
     return output["answer"], {"tokens_kept": stats.tokens_kept, "peak_kv_bytes": stats.peak_kv_bytes}
