@@ -52,9 +52,8 @@ def main() -> None:
                     began = time.perf_counter()
                     model(input_ids=ids[:, last:], cache=cache, use_cache=True, logits_to_keep=1)
                     block_seconds = time.perf_counter() - began
-                print(
-                    f"\n## {policy}: the last prefill block ({ids.shape[1] - last} tokens), {block_seconds * 1e3:.0f} ms\n"
-                )
+                tokens, milliseconds = ids.shape[1] - last, block_seconds * 1e3
+                print(f"\n## {policy}: the last prefill block ({tokens} tokens), {milliseconds:.0f} ms\n")
                 print(block_profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
             token = ids[:, -1:]
             with torch.profiler.profile() as decode_profile:
