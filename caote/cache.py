@@ -478,7 +478,7 @@ class EvictionCache(Cache):
             probabilities = probabilities * real[:, -rows:][:, None, :, None]
         if base.query_rows == "all":
             layer.accumulated = accumulate_attention(layer.accumulated, probabilities)
-        if base.query_rows == "recent" or base.query_window > 1:  # a running sum may read the newest rows too
+        else:
             layer.recent_rows = keep_recent_rows(layer.recent_rows, probabilities, base.query_window)
 
     def _rows_needed(self, layer: EvictionLayer) -> bool:

@@ -40,8 +40,7 @@ class BaseScore:
     """A base eviction score and what it needs from the cache.
 
     ``query_rows``: which attention rows the cache must compute: ``"none"``, ``"recent"`` (the newest
-    ``query_window`` queries) or ``"all"`` (every query, accumulated H2O-style; with ``query_window > 1`` the newest
-    rows are kept as well).
+    ``query_window`` queries) or ``"all"`` (every query, accumulated H2O-style).
     ``per_query_head``: the score comes per query head (attention) rather than per KV head (keys).
     ``signed``: scores may be negative, so CAOTE shifts them before normalising.
     ``recent_window``: newest tokens protected from eviction unless the user overrides it (by default just the
