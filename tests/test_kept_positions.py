@@ -1,7 +1,8 @@
 """The kept positions of every policy on two fixed prompts of the bundled model, against a committed fixture.
 
 A refactor is "unchanged" when it reproduces the fixture exactly: the positions each layer and KV head holds after a
-block-wise prefill (budget 128, blocks of 128) and after 8 greedy decode steps, and the decoded tokens.
+block-wise prefill (budget 128, blocks of 128) and after 8 greedy decode steps evicting one token each, and the
+decoded tokens.
 
 Record the entries of new policies: ``python tests/test_kept_positions.py`` (the others stay as committed). Record
 every entry again (only when a change is *meant* to alter which tokens are kept, and say so in the commit):
@@ -42,7 +43,7 @@ def _encode(positions: torch.Tensor) -> str:
 
 def kept_positions(model, input_ids: torch.Tensor, policy: str) -> dict:
     """Run ``policy`` block by block over ``input_ids`` and greedily for a few tokens; what each layer kept."""
-    cache = EvictionCache(model, budget=BUDGET, policy=policy, block_size=BLOCK)
+    cache = EvictionCache(model, budget=BUDGET, policy=policy, block_size=BLOCK, decode_eviction_interval=1)
     with torch.no_grad():
         for start in range(0, input_ids.shape[1], BLOCK):
             logits = model(input_ids=input_ids[:, start : start + BLOCK], cache=cache, use_cache=True).logits

@@ -81,6 +81,10 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
         "tova": "tab:orange",
         "snapkv": "tab:green",
         "oracle": "black",
+        # ours, beyond the paper: thick lines in colours no paper base uses
+        "caote-window": "tab:purple",
+        "caote-block": "tab:red",
+        "caote-ahead": "tab:brown",
     }
     drawn = [p for p in policy_order({r["policy"] for r in records}) if p != FULL]
     for policy in policy_order({r["policy"] for r in records}):
@@ -110,7 +114,7 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
             marker="*" if base == "oracle" else markers.get(variant, "o"),
             markersize=7 if base == "oracle" else 4,
             linestyle="-." if gqa else styles.get(variant, "-"),
-            linewidth=1.2,
+            linewidth=2.2 if base.startswith("caote-") else 1.2,
             alpha=0.85,
         )
     axis.set_xscale("log", base=2)
