@@ -8,6 +8,7 @@ from conftest import tiny_model
 from transformers import DynamicCache, TextIteratorStreamer
 
 import caote
+from caote.defaults import DEFAULT_POLICY
 from caote.generation import GenerationResult, encode_prompt
 from caote.models import bundled_gguf_path
 
@@ -26,7 +27,7 @@ def model():
 
 def test_generate_returns_text_and_stats(model, tokenizer):
     result = caote.generate(
-        model, tokenizer, PROMPT, budget=64, policy="tova+caote", max_new_tokens=6, return_stats=True
+        model, tokenizer, PROMPT, budget=64, policy=DEFAULT_POLICY, max_new_tokens=6, return_stats=True
     )
     assert isinstance(result, GenerationResult)
     prompt_tokens = tokenizer(PROMPT, return_tensors="pt").input_ids.shape[-1]
