@@ -9,19 +9,19 @@ and NIAH examples, as everywhere in docs/results.md (`caote.evaluation.stats`).
 
 from __future__ import annotations
 
+from caote.evaluation.claims import PAPER_POLICIES
 from caote.evaluation.examples import row_protocol
-from caote.evaluation.reference import FULL
 from caote.evaluation.stats import Estimate, estimate, paired_difference
 from caote.evaluation.tables import MIN_PAIRED_UNITS, gap_closed, values_by_cell, verdict
-from caote.policies import expand_policies, parse_policy
+from caote.policies import parse_policy
 
-PAPER = [name for name in expand_policies("paper") if name != FULL]  # StreamingLLM and every paper variant
 GAP_TARGET = 0.25  # the share of the oracle gap a policy must close at every budget (our moonshot: half)
 
 
-def _best(cells: dict, budget: int, sign: float) -> str | None:
-    """The paper policy with the best mean at ``budget`` (``sign`` +1: higher is better)."""
-    present = [name for name in PAPER if cells.get((name, budget))]
+def _best(cells: dict, budget: int, sign: float, among: list[str] = PAPER_POLICIES) -> str | None:
+    """The policy of ``among`` (default: StreamingLLM and every paper variant) with the best mean at ``budget``
+    (``sign`` +1: higher is better)."""
+    present = [name for name in among if cells.get((name, budget))]
     if not present:
         return None
     return max(present, key=lambda name: sign * sum(cells[(name, budget)].values()) / len(cells[(name, budget)]))
@@ -50,7 +50,7 @@ def beyond_records(rows: dict[str, list[dict]], policies: list[str], budgets: li
                 record["vs_best"] = _difference(kl, policy, best, budget)
                 unbeaten = [
                     name
-                    for name in PAPER
+                    for name in PAPER_POLICIES
                     if kl.get((name, budget))
                     and not ((est := _difference(kl, policy, name, budget)).n >= MIN_PAIRED_UNITS and est.high < 0)
                 ]
@@ -58,9 +58,8 @@ def beyond_records(rows: dict[str, list[dict]], policies: list[str], budgets: li
                 at = {name: cell for (name, b), cell in kl.items() if b == budget and cell}
                 record["gap_closed"] = gap_closed(at, policy, best, -1.0)
                 base = parse_policy(policy).base.paper_base
-                variants = [name for name in PAPER if name.split("+")[0] == base and name in at]
-                if variants:
-                    own = min(variants, key=lambda name: sum(at[name].values()) / len(at[name]))
+                own = _best(kl, budget, -1.0, [name for name in PAPER_POLICIES if name.split("+")[0] == base])
+                if own:
                     record["base_variant"] = own
                     record["vs_base"] = _difference(kl, policy, own, budget)
             for protocol, cells in niah.items():
