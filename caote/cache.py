@@ -110,6 +110,15 @@ class EvictionLayer(DynamicLayer):
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _refuse
 
 
+def oldest_after_sinks_dropped(positions: torch.Tensor, kept: int, sink_tokens: int) -> torch.Tensor:
+    """The ``kept`` slots ``(B, H, kept)`` left when the oldest tokens after the sinks go (what a recency score keeps
+    once sinks and recent window are protected): slots hold tokens in arrival order, so those are the slots right
+    after the sinks."""
+    sinks = (positions < sink_tokens).sum(-1, keepdim=True)
+    slots = torch.arange(kept, device=positions.device)
+    return slots + (positions.shape[-1] - kept) * (slots >= sinks)
+
+
 def layer_bytes(layer) -> int:
     """Bytes of the keys and values a cache layer (of any kind) holds now."""
     if not layer.is_initialized or layer.keys.dim() < 3:
@@ -234,6 +243,7 @@ class EvictionCache(Cache):
         self._held_bytes = [0] * len(self.layers)  # per layer, as last accounted: a running total, not a sum per call
         self._total_bytes = 0
         self._mask_seen: tuple[weakref.ref, torch.Tensor | None] | None = None
+        self._positions_seen: tuple | None = None  # (position_ids, real, shape, positions) of the last forward
         self.frozen = False
         self._pending: dict[int, int] = {}  # layer -> tokens it held before a look-ahead draft, awaiting eviction
         self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
@@ -286,7 +296,7 @@ class EvictionCache(Cache):
         self._peak_kv_bytes = self._total_bytes = 0
         self._held_bytes = [0] * len(self.layers)
         self._generator = None
-        self._mask_seen = None
+        self._mask_seen = self._positions_seen = None
 
     def snapshot(self) -> CacheSnapshot:
         """Record the current state so that `restore` can return to it (e.g. to answer several questions about one
@@ -362,16 +372,21 @@ class EvictionCache(Cache):
         if new > 1 and self.policy.base.lookahead:
             self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's queries are seen
             return
-        self._evict(index, self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1)
+        kept = self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1
+        self._evict(index, kept, padded=real is not None)
 
-    def _evict(self, index: int, kept: int, ahead_rows: torch.Tensor | None = None) -> None:
-        """Score layer ``index``'s tokens and keep its top ``kept``."""
+    def _evict(self, index: int, kept: int, ahead_rows: torch.Tensor | None = None, padded: bool = True) -> None:
+        """Score layer ``index``'s tokens and keep its top ``kept`` (``padded=False``: no slot holds padding)."""
         layer = self.layers[index]
+        if self.policy.base.recency and not padded:
+            layer.keep(oldest_after_sinks_dropped(layer.positions, kept, self.sink_tokens))
+            self._account(index)
+            return
         inputs = ScoreInputs(
             keys=layer.keys,
             values=layer.values,
             positions=layer.positions,
-            real=layer.positions >= 0,
+            real=layer.positions >= 0 if padded else None,
             accumulated=layer.accumulated,
             recent_rows=layer.recent_rows,
             generator=self._random_generator() if self.policy.base.needs_random else None,
@@ -380,7 +395,7 @@ class EvictionCache(Cache):
             else None,
             ahead_rows=ahead_rows,
         )
-        scores = self._protect(self.policy.scores(inputs, self.gqa), layer.positions)
+        scores = self._protect(self.policy.scores(inputs, self.gqa), layer.positions, padded)
         layer.keep(scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
         self._account(index)
 
@@ -445,15 +460,23 @@ class EvictionCache(Cache):
         batch, kv_heads, new = layer.keys.shape[0], layer.keys.shape[1], layer.new_tokens
         device = layer.keys.device
         position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(layer.cumulative_length - new, layer.cumulative_length, device=device)
-        positions = position_ids.to(device).view(-1, new).expand(batch, new)
-        if real is not None:
-            positions = positions.masked_fill(~real[:, -new:], -1)
-        positions = positions.unsqueeze(1).expand(batch, kv_heads, new)
-        layer.positions = (
-            positions.contiguous() if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)
-        )
+        # every layer of a forward records the same positions: worked out once per forward (and shape, device)
+        shape = (layer.cumulative_length, new, batch, kv_heads, device)
+        seen = self._positions_seen
+        if seen is None or seen[0] is not position_ids or seen[1] is not real or seen[2] != shape:
+            if position_ids is None:
+                position_ids = torch.arange(layer.cumulative_length - new, layer.cumulative_length, device=device)
+            positions = position_ids.to(device).view(-1, new).expand(batch, new)
+            if real is not None:
+                positions = positions.masked_fill(~real[:, -new:], -1)
+            self._positions_seen = (
+                kwargs.get("position_ids"),
+                real,
+                shape,
+                positions.unsqueeze(1).expand(batch, kv_heads, new).contiguous(),
+            )
+        positions = self._positions_seen[3]
+        layer.positions = positions if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)
 
     def _record_attention(self, layer, module, queries, attention_mask, kwargs, real) -> None:
         """Compute the attention rows the base score reads and fold them into the layer's history.
@@ -488,12 +511,14 @@ class EvictionCache(Cache):
         base = self.policy.base
         return base.query_rows == "all" or layer.retained > self.budget - base.query_window
 
-    def _protect(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _protect(self, scores: torch.Tensor, positions: torch.Tensor, padded: bool = True) -> torch.Tensor:
         """Sinks and the recent window always stay; padding always goes first (which keeps the slots that the 2D
         padding mask marks as padding exactly the retained padding slots)."""
         newest = positions.amax(dim=-1, keepdim=True)
-        protected = (positions >= 0) & ((positions < self.sink_tokens) | (positions > newest - self.recent_window))
-        scores = scores.masked_fill(protected, float("inf"))
+        protected = (positions < self.sink_tokens) | (positions > newest - self.recent_window)
+        if not padded:
+            return scores.masked_fill(protected, float("inf"))
+        scores = scores.masked_fill(protected & (positions >= 0), float("inf"))
         return scores.masked_fill(positions < 0, float("-inf"))
 
     def _random_generator(self) -> torch.Generator:

@@ -27,7 +27,7 @@ class ScoreInputs:
     keys: torch.Tensor  # (B, H_kv, N, d)
     values: torch.Tensor  # (B, H_kv, N, d)
     positions: torch.Tensor  # (B, H_kv, N) absolute positions, -1 for padding
-    real: torch.Tensor  # (B, H_kv, N) bool, False for padding: padding takes no part in any score
+    real: torch.Tensor | None  # (B, H_kv, N) bool, False for padding (takes no part in any score); None: no padding
     accumulated: torch.Tensor | None = None  # (B, H_q, N) attention summed over every query seen ("all" rows)
     recent_rows: torch.Tensor | None = None  # (B, H_q, R, N) attention of the newest queries ("recent" rows)
     generator: torch.Generator | None = None  # CPU generator, for bases that need random numbers
@@ -53,6 +53,8 @@ class BaseScore:
     a teacher-forced text: a hindsight ceiling for evaluation, refused for generation.
     ``paper_base``: for a policy beyond the paper, the paper base that reads the same kind of query rows (its best
     variant is the reference of docs/results.md's "beyond the paper" section).
+    ``recency``: the score is the token's position (the newest rank highest), so without padding the cache drops the
+    oldest unprotected slots directly (slots are in arrival order), with no scoring.
     ``lookahead``: before each prompt block's eviction the model drafts this many tokens greedily and the score also
     reads their queries' attention (``ahead_rows``; `caote.lookahead`); 0 for none.
     """
@@ -71,6 +73,7 @@ class BaseScore:
     rank_only: bool = False
     needs_future: bool = False
     paper_base: str | None = None
+    recency: bool = False
     lookahead: int = 0
 
 
@@ -96,6 +99,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             summary="attention sinks + the most recent tokens",
             reference="Xiao et al. 2023, arXiv 2309.17453",
             rank_only=True,
+            recency=True,
         ),
         BaseScore(
             name="h2o",
@@ -236,12 +240,13 @@ class Policy:
         base = self.base.score(inputs)
         kv_heads = inputs.values.shape[1]
         grouped = scoring.group_query_heads(base, kv_heads) if self.base.per_query_head else base.unsqueeze(2)
-        real = inputs.real.unsqueeze(2)  # (B, H_kv, 1, N), broadcast over the group
-        grouped = grouped.masked_fill(~real, float("-inf"))
+        real = None if inputs.real is None else inputs.real.unsqueeze(2)  # (B, H_kv, 1, N), broadcast over the group
+        if real is not None:
+            grouped = grouped.masked_fill(~real, float("-inf"))
         transform = TRANSFORMS[self.transform]
         how = "mean" if transform is None else gqa
         if transform is not None:
-            weights = scoring.normalise_weights(grouped, signed=self.base.signed)
+            weights = scoring.normalise_weights(grouped, signed=self.base.signed, padded=real is not None)
             grouped = transform(weights, inputs.values.unsqueeze(2), real)
         scores = scoring.aggregate_groups(grouped, how)
         if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group

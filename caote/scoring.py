@@ -26,14 +26,17 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def normalise_weights(weights: torch.Tensor, signed: bool = False) -> torch.Tensor:
+def normalise_weights(weights: torch.Tensor, signed: bool = False, padded: bool = True) -> torch.Tensor:
     """Turn a base score into a distribution over tokens (sums to 1 over the last axis; float32, or float64 input).
 
     Non-negative scores are divided by their sum (the paper's ``f_norm`` for H2O and SnapKV). Signed scores
     (KeyDiff, K-norm) are first shifted so that their minimum is zero, which keeps the ranking.
-    Masked-out tokens (padding) carry ``-inf``: they get weight 0 and take no part in the minimum.
+    Masked-out tokens (padding) carry ``-inf``: they get weight 0 and take no part in the minimum. ``padded=False``
+    promises finite non-negative scores (no padding, not signed): the division alone, the same numbers.
     """
     weights = weights.to(compute_dtype(weights))
+    if not padded and not signed:
+        return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
     finite = torch.isfinite(weights)
     weights = torch.where(finite, weights, torch.zeros_like(weights))
     if signed:
@@ -57,10 +60,8 @@ def eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Te
     heaviest = weights.argmax(-1, keepdim=True)
     others = weights.scatter(-1, heaviest, 0.0)
     rest = others.sum(-1, keepdim=True)
-    without = torch.einsum("...n,...nd->...d", others, values.expand(*weights.shape, values.shape[-1]))
-    top_value = values.expand(*weights.shape, values.shape[-1]).gather(
-        -2, heaviest.unsqueeze(-1).expand(*heaviest.shape, values.shape[-1])
-    )
+    without = torch.einsum("...n,...nd->...d", others, values)  # broadcast, not expanded: no copy of the values
+    top_value = torch.take_along_dim(values, heaviest.unsqueeze(-1), dim=-2)
     top_weight = weights.gather(-1, heaviest)
     moved = torch.linalg.vector_norm(without.unsqueeze(-2) / rest.unsqueeze(-1) - top_value, dim=-1)
     stable = torch.where(rest > 0, top_weight * moved, torch.full_like(moved, math.inf))
@@ -252,8 +253,8 @@ def aggregate_groups(grouped: torch.Tensor, how: str) -> torch.Tensor:
     ``rss`` (root of the sum of squares) of per-head CAOTE errors is exactly the error of the group's concatenated
     attention output when the shared token is evicted; ``mean`` is what kvpress uses for attention scores.
     """
-    if how == "rss":
-        return torch.linalg.vector_norm(grouped, dim=2)
+    if how == "rss":  # as a sum of squares: a norm over a middle axis takes a slow strided path on the CPU
+        return grouped.pow(2).sum(2).sqrt()
     if how == "mean":
         return grouped.mean(2)
     if how == "max":

@@ -216,3 +216,43 @@ def test_each_policy_is_timed_against_its_cost_reference():
     assert _cost_reference("caote-window") == ("snapkv+caote", 1.10)
     assert _cost_reference("caote-ahead") == ("h2o+caote", 1.10)
     assert _cost_reference("streamingllm")[0] is None
+
+
+def test_growth_fit_tells_a_linear_cost_from_a_quadratic_one():
+    from caote.benchmark.stats import growth_fit
+
+    contexts = (2048, 4096, 8192, 16384)
+    linear = {str(c): {"prefill_s": 1.0 + c / 1000, "peak_rss_bytes": 100} for c in contexts}
+    quadratic = {str(c): {"prefill_s": (c / 1000) ** 2, "peak_rss_bytes": c} for c in contexts}
+    fit = growth_fit(linear)
+    assert fit["seconds_per_1k_tokens"] == pytest.approx(1.0) and fit["intercept_s"] == pytest.approx(1.0)
+    assert fit["r2"] == pytest.approx(1.0) and fit["marginal_cost_ratio"] == pytest.approx(1.0)
+    assert fit["peak_rss_ratio"] == 1.0
+    curved = growth_fit(quadratic)
+    assert curved["marginal_cost_ratio"] == pytest.approx((16384 + 8192) / (4096 + 2048))  # 4x for 8x the context
+    assert curved["peak_rss_ratio"] == 8.0 and curved["r2"] < 1.0
+    assert growth_fit({"2048": linear["2048"], "4096": linear["4096"]}) is None  # a line needs 3 contexts to test
+
+
+def test_three_contexts_give_growth_targets_table_and_plot(tiny_run, tmp_path):
+    document, _ = tiny_run
+    doubled = [
+        {**s, "context": 192, "prefill_s": 2 * s["prefill_s"]} for s in document["samples"] if s["context"] == 96
+    ]
+    grown = {"meta": document["meta"], "samples": document["samples"] + doubled}
+    (tmp_path / "results.json").write_text(json.dumps(grown))
+    summary = report_from_json(tmp_path / "results.json", log=lambda line: None)["summary"]
+    assert set(summary["growth"]) == {"full-sdpa", "full-blocks", *TINY_RUN["policies"]}  # full@b reads b tokens
+    names = {target["target"] for target in summary["targets"]}
+    assert "prefill grows linearly: tova+caote" in names and "peak RSS stays flat: tova+caote" in names
+    assert "## How cost grows with the context" in (tmp_path / "results.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "growth.png").stat().st_size > 0
+
+
+def test_position_limit_is_raised_for_timing_only_when_too_low():
+    from caote.testing import tiny_model
+
+    model = tiny_model("llama", max_position_embeddings=64)
+    assert inputs.allow_positions(model, 32) is None and model.config.max_position_embeddings == 64
+    assert inputs.allow_positions(model, 100) == 64 and model.config.max_position_embeddings == 100

@@ -32,13 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--contexts",
         type=int_tuple,
         default=defaults.contexts,
-        help="comma-separated context lengths in tokens (default 2048,4096,8192)",
+        help="comma-separated context lengths in tokens (default 2048,4096,8192,16384)",
     )
     parser.add_argument(
         "--repeats",
         type=int_tuple,
         default=None,
-        help="repeats per context, one value for all or one per context (default 2,1,1)",
+        help="repeats per context, one value for all or one per context (default 3,3,3,1)",
     )
     parser.add_argument("--budget", type=int, default=defaults.budget, help="KV tokens kept per layer (default 512)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="prefill block size (default 128)")
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_policy_list,
         default=defaults.policies,
         help="eviction policies, comma-separated or a group (default: streamingllm, h2o/tova/snapkv each with "
-        "+caote and +fastcaote, and caote-window/-block/-ahead)",
+        "+caote and +fastcaote)",
     )
     parser.add_argument(
         "--decode-policies",
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--new-tokens",
         type=int,
         default=defaults.new_tokens,
-        help="tokens decoded for the decoding speed (0 = skip; default 64)",
+        help="tokens decoded for the decoding speed (0 = skip; default 32)",
     )
     parser.add_argument(
         "--decode-eviction-interval",
@@ -84,13 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default="benchmarks/results",
-        help="directory for results.json, results.md and results.png (default %(default)s)",
+        help="directory for results.json, results.md, results.png and growth.png (default %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for random prompts / tiny models")
     parser.add_argument(
         "--report-from",
         metavar="RESULTS_JSON",
-        help="measure nothing: rewrite results.md / results.png from a results.json (also partial)",
+        help="measure nothing: rewrite results.md and the plots from a results.json (also partial)",
     )
 
 
@@ -151,7 +151,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Benchmark full cache vs bounded EvictionCache policies on one model: prefill wall time, KV "
         "bytes at peak, process peak RSS (fresh process per sample), scoring overhead and decoding "
         "tokens/s, alternating configurations so machine drift cancels. Writes results.json (every "
-        "sample), results.md (medians, ratios, targets) and results.png.",
+        "sample), results.md (medians, ratios, targets, growth with the context), results.png and growth.png.",
     )
     add_arguments(parser)
     parser.set_defaults(func=command)

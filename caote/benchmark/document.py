@@ -28,6 +28,7 @@ def markdown_report(document: dict) -> str:
         f"- model: {meta['model_type']}, {meta['layers']} layers, {meta['query_heads']} query / {meta['kv_heads']} KV "
         f"heads, head_dim {meta['head_dim']}, {meta['dtype']}, weights {meta['weight_bytes'] / 1e9:.3f} GB",
         f"- prompt: {meta['prompt']}",
+        *([f"- position limit raised {meta['position_limit_raised']}"] if meta.get("position_limit_raised") else []),
         f"- budget {config['budget']} tokens, block {config['block_size']}, {config['new_tokens']} decoded tokens, "
         f"repeats per context {config['repeats']} (round-robin over configurations; ratios are medians of "
         "same-round ratios)",
@@ -74,6 +75,26 @@ def markdown_report(document: dict) -> str:
                 f"| {_num(ratio.get('decode_vs_full_at_budget'))} | {speedup} |"
             )
         lines.append("")
+    growth = summary.get("growth") or {}
+    if growth:
+        lines += [
+            "## How cost grows with the context",
+            "",
+            "Least-squares line of the median prefill time over the contexts (growth.png); marginal cost: seconds per "
+            "extra token between the two largest contexts over those between the two smallest (1 = linear, about "
+            "the context ratio = quadratic).",
+            "",
+            "| configuration | contexts | prefill s per 1k tokens | r² | marginal cost last / first | "
+            "peak RSS largest / smallest |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, fit in growth.items():
+            contexts = ", ".join(f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in fit["contexts"])
+            lines.append(
+                f"| {name} | {contexts} | {_num(fit['seconds_per_1k_tokens'])} | {_num(fit['r2'], 4)} "
+                f"| {_num(fit['marginal_cost_ratio'])} | {_num(fit['peak_rss_ratio'])} |"
+            )
+        lines.append("")
     lines += [
         f"## Targets: {summary['targets_met']} of {summary['targets_total']} met",
         "",
@@ -92,8 +113,7 @@ def markdown_report(document: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(document: dict, path: str | Path) -> Path:
-    """Prefill time, KV peak, process peak memory and decode speed versus context, one line per configuration."""
+def _pyplot():
     try:
         # optional dependency (the eval extra), and slow to import: loaded only when a plot is drawn
         import matplotlib
@@ -102,9 +122,18 @@ def plot(document: dict, path: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise ImportError(
-            "the benchmark plot needs matplotlib: pip install matplotlib "
-            "(or pass --no-plot; JSON and Markdown are written without it)"
+            "the benchmark plots need matplotlib: pip install matplotlib (JSON and Markdown are written without it)"
         ) from error
+    return plt
+
+
+def _style(name: str) -> str:
+    return "--" if name.startswith("full") else ("-" if "+" not in name else ":")
+
+
+def plot(document: dict, path: str | Path) -> Path:
+    """Prefill time, KV peak, process peak memory and decode speed versus context, one line per configuration."""
+    plt = _pyplot()
     summary = document.get("summary") or summarise(document)
     panels = (
         ("prefill_s", "prefill wall time (s)", 1),
@@ -119,8 +148,7 @@ def plot(document: dict, path: str | Path) -> Path:
                 (int(c), m[key] / scale) for c, m in summary["medians"].get(name, {}).items() if m.get(key) is not None
             )
             if points:
-                style = "--" if name.startswith("full") else ("-" if "+" not in name else ":")
-                axis.plot(*zip(*points), style, marker="o", label=name)
+                axis.plot(*zip(*points), _style(name), marker="o", label=name)
         axis.set_title(title)
         axis.set_xlabel("context (tokens)")
         axis.set_xscale("log", base=2)
@@ -130,6 +158,45 @@ def plot(document: dict, path: str | Path) -> Path:
     figure.suptitle(
         f"{document['meta']['model']}: budget {config['budget']}, block {config['block_size']} "
         f"(medians; load avg start {document['meta']['load_average_start']})"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return Path(path)
+
+
+def plot_growth(document: dict, path: str | Path) -> Path | None:
+    """Prefill time and process peak RSS versus context on linear axes, with each configuration's fitted line:
+    straight lines are linear cost, the full cache's bends upward. None when fewer than 3 contexts were measured."""
+    summary = document.get("summary") or summarise(document)
+    growth = summary.get("growth") or {}
+    if not growth:
+        return None
+    plt = _pyplot()
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5))
+    colours = plt.get_cmap("tab20").colors
+    for index, (name, fit) in enumerate(growth.items()):
+        medians = summary["medians"][name]
+        contexts = fit["contexts"]
+        seconds = [medians[str(c)]["prefill_s"] for c in contexts]
+        colour = colours[index % len(colours)]
+        time_axis.plot(contexts, seconds, "o", color=colour, label=name)
+        ends = [contexts[0], contexts[-1]]
+        fitted = [fit["intercept_s"] + fit["seconds_per_1k_tokens"] * c / 1000 for c in ends]
+        time_axis.plot(ends, fitted, _style(name), color=colour, linewidth=1)
+        rss = [medians[str(c)].get("peak_rss_bytes") for c in contexts]
+        if all(value is not None for value in rss):
+            memory_axis.plot(contexts, [v / 2**20 for v in rss], _style(name), color=colour, marker="o", label=name)
+    time_axis.set_title("prefill wall time (s): points = medians, lines = least-squares fits")
+    memory_axis.set_title("process peak RSS after the prefill (MiB)")
+    for axis in (time_axis, memory_axis):
+        axis.set_xlabel("context (tokens)")
+        axis.grid(alpha=0.3)
+    time_axis.legend(fontsize=7, ncol=2)
+    memory_axis.set_ylim(bottom=0)
+    config = document["meta"]["config"]
+    figure.suptitle(
+        f"{document['meta']['model']}: how cost grows (budget {config['budget']}, block {config['block_size']})"
     )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -147,9 +214,10 @@ def report_from_json(path: str | Path, log=print) -> dict:
 
 
 def write_documents(document: dict, out: Path, log=print) -> None:
-    """results.md and (when matplotlib is installed) results.png under ``out``."""
+    """results.md and (when matplotlib is installed) results.png and growth.png under ``out``."""
     (out / "results.md").write_text(markdown_report(document))
     try:
         plot(document, out / "results.png")
+        plot_growth(document, out / "growth.png")
     except ImportError as error:
         log(f"no plot: {error}")

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from caote.benchmark.config import FULL_AT_BUDGET, FULL_BLOCKS, FULL_SDPA
-from caote.benchmark.inputs import load_benchmark_model
+from caote.benchmark.inputs import allow_positions, load_benchmark_model
 from caote.benchmark.memory import cache_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes, weight_bytes
 from caote.cache import EvictionCache
 
@@ -36,6 +36,7 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
     model, _ = model_for(settings["model"], settings["seed"])
     block, budget = settings["block_size"], settings["budget"]
     context = ids.shape[1]
+    allow_positions(model, context + settings["new_tokens"])
     with torch.no_grad():
         model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # warm-up: kernels, thread pool, lazy init
     peak_reset = reset_peak_rss()

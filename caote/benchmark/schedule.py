@@ -16,7 +16,7 @@ import transformers
 
 from caote.benchmark.config import BenchConfig, validate_config
 from caote.benchmark.document import write_documents
-from caote.benchmark.inputs import prompt_ids
+from caote.benchmark.inputs import allow_positions, prompt_ids
 from caote.benchmark.memory import load_average, weight_bytes
 from caote.benchmark.sample import model_for, run_isolated, run_sample
 from caote.benchmark.stats import summarise
@@ -39,6 +39,7 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
     torch.set_num_threads(config.threads)
     model, tokenizer = model_for(config.model, config.seed)
     ids, source = prompt_ids(tokenizer, max(config.contexts), config.text, model.config.vocab_size, config.seed)
+    position_limit = allow_positions(model, max(config.contexts) + config.new_tokens)
     configurations = config.configurations()
     document = {
         "meta": {
@@ -52,6 +53,10 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
             "dtype": str(next(model.parameters()).dtype),
             "weight_bytes": weight_bytes(model),
             "prompt": source,
+            "position_limit_raised": None
+            if position_limit is None
+            else f"from {position_limit} to {model.config.max_position_embeddings} (same weights; timing only, "
+            f"predictions past {position_limit} tokens mean nothing)",
             "config": dataclasses.asdict(config),
             "configurations": configurations,
             "torch": torch.__version__,

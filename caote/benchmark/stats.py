@@ -16,6 +16,11 @@ SCORING_OVERHEAD_LIMIT = 1.10
 BEYOND_OVERHEAD_LIMIT = 1.10  # a policy beyond the paper against its paper base's +caote (same kind of query rows)
 DECODE_VS_FULL_AT_BUDGET_TARGET = 0.9
 DECODE_SPEEDUP_TARGET = 1.5
+# How cost grows with the context (from the smallest to the largest measured, at least 3 contexts): prefill is linear
+# when the time per extra token of the last step in context is at most this much above the first step's (a
+# quadratic cost doubles it per doubling); process peak memory is flat within this ratio of the smallest context's.
+LINEAR_GROWTH_LIMIT = 1.25
+FLAT_MEMORY_LIMIT = 1.10
 
 
 def _median(values):
@@ -133,12 +138,50 @@ def summarise(document: dict) -> dict:
                         bound=entry["decode_speedup_bound"],
                     )
                 )
+    growth = {name: growth_fit(medians.get(name, {})) for name in configurations if name != FULL_AT_BUDGET}
+    growth = {name: fit for name, fit in growth.items() if fit is not None}
+    for name, fit in growth.items():
+        if name in FULL_CONFIGURATIONS:
+            continue
+        targets.append(
+            _target(f"prefill grows linearly: {name}", fit["marginal_cost_ratio"], "<=", LINEAR_GROWTH_LIMIT)
+        )
+        targets.append(_target(f"peak RSS stays flat: {name}", fit["peak_rss_ratio"], "<=", FLAT_MEMORY_LIMIT))
     return {
         "medians": medians,
         "ratios": ratios,
+        "growth": growth,
         "targets": targets,
         "targets_met": sum(t["met"] for t in targets),
         "targets_total": len(targets),
+    }
+
+
+def growth_fit(by_context: dict[str, dict]) -> dict | None:
+    """How prefill time and peak RSS grow over the contexts measured (None with fewer than 3): the least-squares line
+    ``time = a + b * tokens`` (``b`` in seconds per 1k tokens, ``r2``), the time per extra token between the two
+    largest contexts over that between the two smallest (``marginal_cost_ratio``: 1 for a linear cost, about the
+    context ratio for a quadratic one) and the peak RSS at the largest context over the smallest's."""
+    points = sorted((int(c), m) for c, m in by_context.items() if m.get("prefill_s") is not None)
+    if len(points) < 3:
+        return None
+    tokens = [c for c, _ in points]
+    seconds = [m["prefill_s"] for _, m in points]
+    mean_x, mean_y = statistics.fmean(tokens), statistics.fmean(seconds)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(tokens, seconds)) / sum((x - mean_x) ** 2 for x in tokens)
+    intercept = mean_y - slope * mean_x
+    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(tokens, seconds))
+    spread = sum((y - mean_y) ** 2 for y in seconds)
+    first = (seconds[1] - seconds[0]) / (tokens[1] - tokens[0])
+    last = (seconds[-1] - seconds[-2]) / (tokens[-1] - tokens[-2])
+    rss = [m.get("peak_rss_bytes") for _, m in points]
+    return {
+        "contexts": tokens,
+        "seconds_per_1k_tokens": slope * 1000,
+        "intercept_s": intercept,
+        "r2": 1 - residual / spread if spread else 1.0,
+        "marginal_cost_ratio": last / first if first > 0 else None,
+        "peak_rss_ratio": rss[-1] / rss[0] if rss[0] and rss[-1] else None,
     }
 
 
