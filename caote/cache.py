@@ -49,6 +49,7 @@ class EvictionLayer(DynamicLayer):
         self.positions: torch.Tensor | None = None  # (B, H_kv, N) int64, -1 = padding
         self.accumulated: torch.Tensor | None = None  # (B, H_q, N) float32, H2O running attention
         self.recent_rows: torch.Tensor | None = None  # (B, H_q, R, N) float32, newest attention rows
+        self.padded = False  # a padding slot was recorded since the last reset (it may since have been evicted)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -99,6 +100,7 @@ class EvictionLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.new_tokens = 0
+        self.padded = False
         self.positions = self.accumulated = self.recent_rows = None
 
     def _refuse(self, *args, **kwargs):
@@ -113,7 +115,8 @@ class EvictionLayer(DynamicLayer):
 def oldest_after_sinks_dropped(positions: torch.Tensor, kept: int, sink_tokens: int) -> torch.Tensor:
     """The ``kept`` slots ``(B, H, kept)`` left when the oldest tokens after the sinks go (what a recency score keeps
     once sinks and recent window are protected): slots hold tokens in arrival order, so those are the slots right
-    after the sinks."""
+    after the sinks. Assumes no padding and positions rising with the slot (true unless a caller passes
+    ``position_ids`` that go backwards)."""
     sinks = (positions < sink_tokens).sum(-1, keepdim=True)
     slots = torch.arange(kept, device=positions.device)
     return slots + (positions.shape[-1] - kept) * (slots >= sinks)
@@ -309,6 +312,7 @@ class EvictionCache(Cache):
         if len(snapshot.layers) != len(self.layers):
             raise ValueError(f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(self.layers)}")
         self.layers = [copy.copy(layer) for layer in snapshot.layers]
+        self._mask_seen = self._positions_seen = None
         self._peak_kv_bytes = snapshot.peak_kv_bytes
         self._held_bytes = [layer_bytes(layer) for layer in self.layers]
         self._total_bytes = sum(self._held_bytes)
@@ -373,11 +377,12 @@ class EvictionCache(Cache):
             self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's queries are seen
             return
         kept = self.budget if new > 1 else self.budget - self.decode_eviction_interval + 1
-        self._evict(index, kept, padded=real is not None)
+        self._evict(index, kept)
 
-    def _evict(self, index: int, kept: int, ahead_rows: torch.Tensor | None = None, padded: bool = True) -> None:
-        """Score layer ``index``'s tokens and keep its top ``kept`` (``padded=False``: no slot holds padding)."""
+    def _evict(self, index: int, kept: int, ahead_rows: torch.Tensor | None = None) -> None:
+        """Score layer ``index``'s tokens and keep its top ``kept``."""
         layer = self.layers[index]
+        padded = layer.padded  # else every slot is real: the scores and the protection skip their masking
         if self.policy.base.recency and not padded:
             layer.keep(oldest_after_sinks_dropped(layer.positions, kept, self.sink_tokens))
             self._account(index)
@@ -476,6 +481,7 @@ class EvictionCache(Cache):
                 positions.unsqueeze(1).expand(batch, kv_heads, new).contiguous(),
             )
         positions = self._positions_seen[3]
+        layer.padded = layer.padded or real is not None
         layer.positions = positions if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)
 
     def _record_attention(self, layer, module, queries, attention_mask, kwargs, real) -> None:

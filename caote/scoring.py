@@ -55,6 +55,7 @@ def eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Te
     When every other weight is exactly zero, evicting j leaves nothing to renormalise: its error is ``+inf`` (it
     always ranks first). ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them.
     """
+    values = values[(None,) * (weights.dim() + 1 - values.dim())]  # leading axes the broadcast would add
     distance = torch.linalg.vector_norm(output.unsqueeze(-2) - values, dim=-1)
     error = weights / (1.0 - weights).clamp_min(0.5) * distance
     heaviest = weights.argmax(-1, keepdim=True)

@@ -166,6 +166,20 @@ def test_padding_is_evicted_before_any_real_token(llama):
     assert (cache.layers[0].positions >= 0).all()
 
 
+@pytest.mark.parametrize("policy", ["streamingllm", "tova+caote"])
+def test_padding_recorded_earlier_still_goes_first_when_a_later_forward_has_no_mask(llama, policy):
+    """A manual loop: a left-padded prompt with its mask, then decode steps without one. The layer remembers that it
+    holds padding, so padding still goes before any real token (and never counts as a sink)."""
+    ids = torch.cat([torch.zeros(1, 8, dtype=torch.long), random_ids(40, seed=11)], 1)
+    cache = EvictionCache(llama, budget=44, policy=policy, block_size=64)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=(ids != 0).long(), cache=cache, use_cache=True)
+        assert int((cache.layers[0].positions < 0).sum(-1).max()) == 4  # 48 slots cut to 44: 4 padding went
+        for _ in range(6):  # each step evicts one: the 4 padding slots left, then 2 real tokens
+            llama(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+    assert (cache.layers[0].positions >= 0).all()
+
+
 def test_a_cache_is_not_silently_reused_across_generate_calls(llama):
     cache = EvictionCache(llama, budget=40, policy="h2o+caote", block_size=BLOCK)
     first = greedy(llama, random_ids(90), cache)

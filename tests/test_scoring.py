@@ -240,3 +240,12 @@ def test_key_scores():
 def test_group_aggregations(how, expected):
     grouped = torch.tensor([3.0, 4.0]).view(1, 1, 2, 1)
     assert aggregate_groups(grouped, how).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("score", [caote_score, fast_caote_score])
+def test_values_broadcast_over_leading_axes_the_weights_have(score):
+    generator = torch.Generator().manual_seed(12)
+    weights = torch.softmax(torch.randn(2, 3, 50, generator=generator), -1)
+    weights[0, 0, 7] = 0.9  # one token above half the mass: the stable form of the heaviest token runs too
+    values = torch.randn(50, 8, generator=generator)
+    torch.testing.assert_close(score(weights, values), score(weights, values.expand(2, 3, 50, 8)))

@@ -37,6 +37,6 @@ How the numbers are taken
 
 Modules, bottom up: `config` (what to measure), `memory` (RSS, weight and KV bytes, load average), `inputs` (the
 model and the prompt), `sample` (one measurement, in this process or a fresh one), `stats` (medians, paired ratios,
-targets), `document` (results.md and results.png), `schedule` (the round-robin run and results.json), `cli`
+targets), `document` (results.md, results.png, growth.png), `schedule` (the round-robin run and results.json), `cli`
 (``caote bench`` and ``benchmarks/run.py``).
 """

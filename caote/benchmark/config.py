@@ -26,7 +26,7 @@ DEFAULT_DECODE_POLICIES = (
     "tova+fastcaote",
     "snapkv+caote",
 )
-# 16k is past the bundled model's 8,192 positions: timed with a raised position limit (`inputs.allow_positions`)
+# 16k is past the bundled model's 8,192 positions: same weights, timed under a raised limit (`inputs.allow_positions`)
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384)
 DEFAULT_REPEATS = {2048: 3, 4096: 3, 8192: 3, 16384: 1}
 TINY_LLAMA = "tiny-llama"

@@ -1,5 +1,5 @@
-"""The run as documents: results.md (medians, ratios, targets) and results.png, also from a partial
-results.json."""
+"""The run as documents: results.md (medians, ratios, growth with the context, targets), results.png and
+growth.png, also from a partial results.json."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def markdown_report(document: dict) -> str:
             "## How cost grows with the context",
             "",
             "Least-squares line of the median prefill time over the contexts (growth.png); marginal cost: seconds per "
-            "extra token between the two largest contexts over those between the two smallest (1 = linear, about "
-            "the context ratio = quadratic).",
+            "extra token between the two largest contexts over those between the two smallest (1 = linear; a "
+            "quadratic cost gives 4 over 2k, 4k, 8k, 16k).",
             "",
             "| configuration | contexts | prefill s per 1k tokens | r² | marginal cost last / first | "
             "peak RSS largest / smallest |",
@@ -205,7 +205,7 @@ def plot_growth(document: dict, path: str | Path) -> Path | None:
 
 
 def report_from_json(path: str | Path, log=print) -> dict:
-    """Rewrite results.md (and results.png) next to a results.json, also one left by an unfinished run."""
+    """Rewrite results.md (and the plots) next to a results.json, also one left by an unfinished run."""
     path = Path(path)
     document = json.loads(path.read_text())
     document["summary"] = summarise(document)
@@ -218,6 +218,7 @@ def write_documents(document: dict, out: Path, log=print) -> None:
     (out / "results.md").write_text(markdown_report(document))
     try:
         plot(document, out / "results.png")
-        plot_growth(document, out / "growth.png")
+        if plot_growth(document, out / "growth.png") is None:
+            (out / "growth.png").unlink(missing_ok=True)  # fewer than 3 contexts: no growth to draw
     except ImportError as error:
         log(f"no plot: {error}")

@@ -24,7 +24,8 @@ def load_benchmark_model(name: str, seed: int = 0):
 def allow_positions(model, tokens: int) -> int | None:
     """Raise ``model.config.max_position_embeddings`` to ``tokens`` when it is lower, and return the old limit (None
     when nothing changed). For timing only: rotary positions are computed, not looked up, so the same weights run
-    past the limit they were trained to (the bundled model's 8,192), but what they predict there means nothing."""
+    past the limit they were trained to (the bundled model's 8,192; the forward itself never reads the limit, the
+    config then states the positions the run used), but what they predict there means nothing."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is None or limit >= tokens:
         return None

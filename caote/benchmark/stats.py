@@ -160,8 +160,9 @@ def summarise(document: dict) -> dict:
 def growth_fit(by_context: dict[str, dict]) -> dict | None:
     """How prefill time and peak RSS grow over the contexts measured (None with fewer than 3): the least-squares line
     ``time = a + b * tokens`` (``b`` in seconds per 1k tokens, ``r2``), the time per extra token between the two
-    largest contexts over that between the two smallest (``marginal_cost_ratio``: 1 for a linear cost, about the
-    context ratio for a quadratic one) and the peak RSS at the largest context over the smallest's."""
+    largest contexts over that between the two smallest (``marginal_cost_ratio``: 1 for a linear cost; for a quadratic
+    one ``(c_3 + c_4) / (c_1 + c_2)``, 4 over 2k..16k; None when either step got cheaper, i.e. noise) and the peak
+    RSS at the largest context over the smallest's."""
     points = sorted((int(c), m) for c, m in by_context.items() if m.get("prefill_s") is not None)
     if len(points) < 3:
         return None
@@ -180,7 +181,7 @@ def growth_fit(by_context: dict[str, dict]) -> dict | None:
         "seconds_per_1k_tokens": slope * 1000,
         "intercept_s": intercept,
         "r2": 1 - residual / spread if spread else 1.0,
-        "marginal_cost_ratio": last / first if first > 0 else None,
+        "marginal_cost_ratio": last / first if first > 0 and last > 0 else None,
         "peak_rss_ratio": rss[-1] / rss[0] if rss[0] and rss[-1] else None,
     }
 
