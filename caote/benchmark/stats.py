@@ -168,11 +168,7 @@ def growth_fit(by_context: dict[str, dict]) -> dict | None:
         return None
     tokens = [c for c, _ in points]
     seconds = [m["prefill_s"] for _, m in points]
-    mean_x, mean_y = statistics.fmean(tokens), statistics.fmean(seconds)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(tokens, seconds)) / sum((x - mean_x) ** 2 for x in tokens)
-    intercept = mean_y - slope * mean_x
-    residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(tokens, seconds))
-    spread = sum((y - mean_y) ** 2 for y in seconds)
+    slope, intercept = statistics.linear_regression(tokens, seconds)
     first = (seconds[1] - seconds[0]) / (tokens[1] - tokens[0])
     last = (seconds[-1] - seconds[-2]) / (tokens[-1] - tokens[-2])
     rss = [m.get("peak_rss_bytes") for _, m in points]
@@ -180,7 +176,7 @@ def growth_fit(by_context: dict[str, dict]) -> dict | None:
         "contexts": tokens,
         "seconds_per_1k_tokens": slope * 1000,
         "intercept_s": intercept,
-        "r2": 1 - residual / spread if spread else 1.0,
+        "r2": statistics.correlation(tokens, seconds) ** 2 if len(set(seconds)) > 1 else 1.0,  # of a line fit
         "marginal_cost_ratio": last / first if first > 0 and last > 0 else None,
         "peak_rss_ratio": rss[-1] / rss[0] if rss[0] and rss[-1] else None,
     }
