@@ -14,6 +14,7 @@ import copy
 import logging
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -127,6 +128,15 @@ def layer_bytes(layer) -> int:
     if not layer.is_initialized or layer.keys.dim() < 3:
         return 0
     return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+
+
+class PositionsSeen(NamedTuple):
+    """The positions one forward recorded in its first layer, reused by the forward's other layers."""
+
+    position_ids: torch.Tensor | None  # the forward's ``position_ids`` argument (None: counted from the cache)
+    real: torch.Tensor | None  # `EvictionCache._real_slots` of the forward
+    shape: tuple  # (tokens seen, new tokens, batch, KV heads, device)
+    positions: torch.Tensor  # (B, H_kv, new) int64, -1 = padding
 
 
 @dataclass(frozen=True)
@@ -246,7 +256,7 @@ class EvictionCache(Cache):
         self._held_bytes = [0] * len(self.layers)  # per layer, as last accounted: a running total, not a sum per call
         self._total_bytes = 0
         self._mask_seen: tuple[weakref.ref, torch.Tensor | None] | None = None
-        self._positions_seen: tuple | None = None  # (position_ids, real, shape, positions) of the last forward
+        self._positions_seen: PositionsSeen | None = None  # of the last forward
         self.frozen = False
         self._pending: dict[int, int] = {}  # layer -> tokens it held before a look-ahead draft, awaiting eviction
         self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
@@ -468,19 +478,15 @@ class EvictionCache(Cache):
         # every layer of a forward records the same positions: worked out once per forward (and shape, device)
         shape = (layer.cumulative_length, new, batch, kv_heads, device)
         seen = self._positions_seen
-        if seen is None or seen[0] is not position_ids or seen[1] is not real or seen[2] != shape:
+        if seen is None or seen.position_ids is not position_ids or seen.real is not real or seen.shape != shape:
             if position_ids is None:
                 position_ids = torch.arange(layer.cumulative_length - new, layer.cumulative_length, device=device)
             positions = position_ids.to(device).view(-1, new).expand(batch, new)
             if real is not None:
                 positions = positions.masked_fill(~real[:, -new:], -1)
-            self._positions_seen = (
-                kwargs.get("position_ids"),
-                real,
-                shape,
-                positions.unsqueeze(1).expand(batch, kv_heads, new).contiguous(),
-            )
-        positions = self._positions_seen[3]
+            positions = positions.unsqueeze(1).expand(batch, kv_heads, new).contiguous()
+            self._positions_seen = PositionsSeen(kwargs.get("position_ids"), real, shape, positions)
+        positions = self._positions_seen.positions
         layer.padded = layer.padded or real is not None
         layer.positions = positions if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)
 

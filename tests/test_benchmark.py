@@ -203,10 +203,11 @@ def test_decode_kl_is_zero_without_eviction_and_grows_with_it(llama, tmp_path):
     assert evicting["kl"] > 1e-4 and evicting["tokens_per_s"] > 0
     study = interval_study(llama, [ids], "tova+caote", 24, 40, (1, 4))
     assert study["summary"][4]["kl"] == pytest.approx(evicting["kl"]) and len(study["samples"]) == 2
-    meta = dict(policy="tova+caote", budget=24, tokens=96, prompt_tokens=40, texts=1, split="dev", machine="m",
+    meta = dict(budget=24, tokens=96, prompt_tokens=40, texts=1, split="dev", machine="m",
                 started="now", load=[0.0])  # fmt: skip
-    text = write_study(study, meta, tmp_path).read_text()
-    assert "| 4 |" in text and (tmp_path / "decode_interval.json").is_file()
+    text = write_study({"tova+caote": study, "h2o+caote": study}, meta, tmp_path).read_text()
+    assert "## tova+caote" in text and "## h2o+caote" in text and text.count("| 4 |") == 2
+    assert (tmp_path / "decode_interval.json").is_file()
 
 
 def test_each_policy_is_timed_against_its_cost_reference():

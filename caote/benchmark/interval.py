@@ -3,7 +3,7 @@
 lockstep evaluation feeds blocks and never decodes) and decoding speed, against a full cache holding ``budget``
 tokens (``full@b``), side by side in one run.
 
-``python benchmarks/decode_interval.py`` writes ``benchmarks/results/decode_interval.{json,md}``.
+``python benchmarks/decode_interval.py`` writes ``benchmarks/results/decode_interval.{json,md}`` (one table per policy).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from caote.cache import EvictionCache
@@ -59,15 +60,21 @@ def full_at_budget_speed(model, input_ids: torch.Tensor, budget: int, steps: int
         return steps / (time.perf_counter() - began)
 
 
-def interval_study(model, texts: list[torch.Tensor], policy: str, budget: int, prompt_tokens: int, intervals) -> dict:
+def interval_study(
+    model, texts: list[torch.Tensor], policy: str, budget: int, prompt_tokens: int, intervals, progress: bool = False
+) -> dict:
     """Every interval on every text (one full@b speed per text and interval, measured right before it): per
     interval the mean KL, its increase over interval 1, and the median speed ratio to full@b."""
     samples = []
-    for index, ids in enumerate(texts):
-        for interval in intervals:
-            reference = full_at_budget_speed(model, ids[:, :prompt_tokens], budget, ids.shape[1] - prompt_tokens)
-            result = decode_kl(model, ids, policy, budget, prompt_tokens, interval)
-            samples.append({"text": index, "interval": interval, **result, "full_at_budget_tokens_per_s": reference})
+    with tqdm(total=len(texts) * len(intervals), desc=policy, unit="run", disable=not progress) as bar:
+        for index, ids in enumerate(texts):
+            for interval in intervals:
+                steps = ids.shape[1] - prompt_tokens
+                reference = full_at_budget_speed(model, ids[:, :prompt_tokens], budget, steps)
+                result = decode_kl(model, ids, policy, budget, prompt_tokens, interval)
+                sample = {"text": index, "interval": interval, **result, "full_at_budget_tokens_per_s": reference}
+                samples.append(sample)
+                bar.update()
     summary = {}
     for interval in intervals:
         mine = [s for s in samples if s["interval"] == interval]
@@ -79,28 +86,33 @@ def interval_study(model, texts: list[torch.Tensor], policy: str, budget: int, p
     return {"samples": samples, "summary": summary}
 
 
-def write_study(study: dict, meta: dict, out: Path) -> Path:
-    """decode_interval.json and decode_interval.md under ``out``."""
+def write_study(studies: dict[str, dict], meta: dict, out: Path) -> Path:
+    """decode_interval.json and decode_interval.md under ``out``: one `interval_study` per policy name."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_interval.json").write_text(json.dumps({"meta": meta, **study}, indent=1))
-    first = study["summary"][min(study["summary"])]["kl"]
+    (out / "decode_interval.json").write_text(json.dumps({"meta": meta, "policies": studies}, indent=1))
     lines = [
-        f"# decode_eviction_interval: KL cost and decoding speed ({meta['policy']}, budget {meta['budget']})",
+        f"# decode_eviction_interval: KL cost and decoding speed (budget {meta['budget']})",
         "",
         f"- {meta['texts']} texts of {meta['tokens']} tokens ({meta['split']} split essays): the first "
         f"{meta['prompt_tokens']} fed in blocks of {DEFAULT_BLOCK_SIZE}, the rest one token at a time (decode steps)",
         "- KL: nats per token of the decode steps' next-token distribution from one full-cache forward's",
         f"- speed: decode steps per second vs a full cache holding {meta['budget']} tokens (full@b), measured right "
         f"before each run; {meta['machine']}; run {meta['started']}, load average at start {meta['load']}",
-        "",
-        "| interval | KL (mean) | KL vs interval 1 | decode tok/s (median) | vs full@b (median ratio) |",
-        "|---|---|---|---|---|",
     ]
-    for interval, entry in study["summary"].items():
-        lines.append(
-            f"| {interval} | {entry['kl']:.4f} | {entry['kl'] / first:.3f}x | {entry['tokens_per_s']:.2f} "
-            f"| {entry['vs_full_at_budget']:.2f} |"
-        )
+    for policy, study in studies.items():
+        first = study["summary"][min(study["summary"])]["kl"]
+        lines += [
+            "",
+            f"## {policy}",
+            "",
+            "| interval | KL (mean) | KL vs interval 1 | decode tok/s (median) | vs full@b (median ratio) |",
+            "|---|---|---|---|---|",
+        ]
+        for interval, entry in study["summary"].items():
+            lines.append(
+                f"| {interval} | {entry['kl']:.4f} | {entry['kl'] / first:.3f}x | {entry['tokens_per_s']:.2f} "
+                f"| {entry['vs_full_at_budget']:.2f} |"
+            )
     path = out / "decode_interval.md"
     path.write_text("\n".join(lines) + "\n")
     return path
