@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import random_ids
 
 from caote.benchmark import inputs, memory
@@ -257,3 +258,21 @@ def test_position_limit_is_raised_for_timing_only_when_too_low():
     model = tiny_model("llama", max_position_embeddings=64)
     assert inputs.allow_positions(model, 32) is None and model.config.max_position_embeddings == 64
     assert inputs.allow_positions(model, 100) == 64 and model.config.max_position_embeddings == 100
+
+
+def test_gpu_check_runs_every_configuration_with_bounded_kv_on_a_tiny_model(tmp_path):
+    from caote.benchmark.gpu import TINY_SHAPES, gpu_check, random_model, run_meta, write_check
+
+    model = random_model(TINY_SHAPES, "cpu", torch.float32)
+    results = gpu_check(model, 96, 24, (8, 16), ["streamingllm", "tova+caote"], 3, "cpu")
+    assert list(results) == ["full-sdpa", "full@b", "full-blocks@8", "full-blocks@16"] + [
+        f"{policy}@{block}" for policy in ("streamingllm", "tova+caote") for block in (8, 16)
+    ]
+    per_token = 2 * TINY_SHAPES["num_hidden_layers"] * TINY_SHAPES["num_key_value_heads"] * 16 * 4  # K+V, fp32
+    assert results["full-sdpa"]["kv_peak_bytes"] == 96 * per_token
+    for block in (8, 16):
+        evicting = results[f"tova+caote@{block}"]
+        assert evicting["kv_peak_bytes"] <= (24 + block) * per_token and evicting["decode_tokens_per_s"] > 0
+        assert results[f"full-blocks@{block}"]["decode_tokens_per_s"] is None
+    text = write_check(results, run_meta("tiny", "cpu", 96, 24, 3), tmp_path).read_text()
+    assert "| tova+caote@16 |" in text and json.loads((tmp_path / "gpu_check.json").read_text())["results"]
