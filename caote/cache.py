@@ -135,7 +135,7 @@ class PositionsSeen(NamedTuple):
 
     position_ids: torch.Tensor | None  # the forward's ``position_ids`` argument (None: counted from the cache)
     real: torch.Tensor | None  # `EvictionCache._real_slots` of the forward
-    shape: tuple  # (tokens seen, new tokens, batch, KV heads, device)
+    key: tuple  # what else must match to reuse them: (tokens seen, new tokens, batch, KV heads, device)
     positions: torch.Tensor  # (B, H_kv, new) int64, -1 = padding
 
 
@@ -476,16 +476,16 @@ class EvictionCache(Cache):
         device = layer.keys.device
         position_ids = kwargs.get("position_ids")
         # every layer of a forward records the same positions: worked out once per forward (and shape, device)
-        shape = (layer.cumulative_length, new, batch, kv_heads, device)
+        key = (layer.cumulative_length, new, batch, kv_heads, device)
         seen = self._positions_seen
-        if seen is None or seen.position_ids is not position_ids or seen.real is not real or seen.shape != shape:
+        if seen is None or seen.position_ids is not position_ids or seen.real is not real or seen.key != key:
             if position_ids is None:
                 position_ids = torch.arange(layer.cumulative_length - new, layer.cumulative_length, device=device)
             positions = position_ids.to(device).view(-1, new).expand(batch, new)
             if real is not None:
                 positions = positions.masked_fill(~real[:, -new:], -1)
             positions = positions.unsqueeze(1).expand(batch, kv_heads, new).contiguous()
-            self._positions_seen = PositionsSeen(kwargs.get("position_ids"), real, shape, positions)
+            self._positions_seen = PositionsSeen(kwargs.get("position_ids"), real, key, positions)
         positions = self._positions_seen.positions
         layer.padded = layer.padded or real is not None
         layer.positions = positions if layer.positions is None else torch.cat([layer.positions, positions], dim=-1)

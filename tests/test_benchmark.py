@@ -264,11 +264,14 @@ def test_gpu_check_runs_every_configuration_with_bounded_kv_on_a_tiny_model(tmp_
     from caote.benchmark.gpu import TINY_SHAPES, gpu_check, random_model, run_meta, write_check
 
     model = random_model(TINY_SHAPES, "cpu", torch.float32)
-    results = gpu_check(model, 96, 24, (8, 16), ["streamingllm", "tova+caote"], 3, "cpu")
-    assert list(results) == ["full-sdpa", "full@b", "full-blocks@8", "full-blocks@16"] + [
-        f"{policy}@{block}" for policy in ("streamingllm", "tova+caote") for block in (8, 16)
+    saved = []
+    results = gpu_check(model, 96, 24, (8, 16), ["streamingllm", "tova+caote"], 3, "cpu", save=saved.append)
+    assert list(results) == ["full-sdpa", "full@b"] + [
+        f"{name}@{block}" for block in (16, 8) for name in ("full-blocks", "streamingllm", "tova+caote")
     ]
-    per_token = 2 * TINY_SHAPES["num_hidden_layers"] * TINY_SHAPES["num_key_value_heads"] * 16 * 4  # K+V, fp32
+    assert len(saved) == len(results)
+    head_dim = TINY_SHAPES["hidden_size"] // TINY_SHAPES["num_attention_heads"]
+    per_token = 2 * TINY_SHAPES["num_hidden_layers"] * TINY_SHAPES["num_key_value_heads"] * head_dim * 4  # K+V fp32
     assert results["full-sdpa"]["kv_peak_bytes"] == 96 * per_token
     for block in (8, 16):
         evicting = results[f"tova+caote@{block}"]
@@ -276,3 +279,15 @@ def test_gpu_check_runs_every_configuration_with_bounded_kv_on_a_tiny_model(tmp_
         assert results[f"full-blocks@{block}"]["decode_tokens_per_s"] is None
     text = write_check(results, run_meta("tiny", "cpu", 96, 24, 3), tmp_path).read_text()
     assert "| tova+caote@16 |" in text and json.loads((tmp_path / "gpu_check.json").read_text())["results"]
+
+
+def test_gpu_check_records_a_failing_configuration_and_goes_on_in_bfloat16(tmp_path):
+    from caote.benchmark.gpu import TINY_SHAPES, gpu_check, random_model, run_meta, summary_lines
+
+    model = random_model(TINY_SHAPES, "cpu", torch.bfloat16)
+    # budget 4 leaves no room beside 4 sinks: EvictionCache refuses it, while the full-cache configurations run
+    results = gpu_check(model, 64, 4, (8,), ["streamingllm", "tova+caote"], 2, "cpu")
+    assert results["full@b"]["decode_tokens_per_s"] > 0 and results["full-blocks@8"]["prefill_s"] > 0
+    assert results["tova+caote@8"]["error"].startswith("ValueError: budget 4 leaves no room")
+    lines = summary_lines(results, run_meta("tiny", "cpu", 64, 4, 2))
+    assert any(line.startswith("| tova+caote@8 | failed: ValueError") for line in lines)

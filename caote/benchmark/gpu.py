@@ -1,8 +1,9 @@
 """The speed issue's accelerator check in one run: a random-weight model with the shapes of Llama-3.1-8B in bf16
 (no weights need to travel), a long random prompt, a bounded `EvictionCache` against `DynamicCache`.
 
-Measured per configuration: prefill wall time, peak accelerator memory over the weights (``max_memory_allocated``
-after a reset; on a CPU the KV peak alone), KV bytes at their peak, and decoding tokens/s. Configurations:
+Measured per configuration: prefill wall time, the accelerator's peak memory over the weights during the prefill
+(``max_memory_allocated`` after a reset; not measured on a CPU), the KV bytes at their peak during the prefill, and
+decoding tokens/s. Configurations:
 
 * ``full-sdpa``: `DynamicCache`, the whole prompt in one forward; then decoding over the full context;
 * ``full-blocks@B``: `DynamicCache`, the prompt in blocks of ``B`` tokens;
@@ -15,6 +16,7 @@ the real model. ``python benchmarks/gpu_check.py`` runs it (see docs/performance
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import time
@@ -25,6 +27,7 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from caote.benchmark.config import FULL_AT_BUDGET, FULL_BLOCKS, FULL_CONFIGURATIONS, FULL_SDPA
 from caote.benchmark.memory import cache_bytes
 from caote.cache import EvictionCache
 
@@ -57,9 +60,8 @@ def random_model(shapes: dict, device: str, dtype: torch.dtype, seed: int = 0):
     """A `LlamaForCausalLM` with ``shapes``, random weights drawn on ``device`` in ``dtype``, sdpa attention."""
     torch.manual_seed(seed)
     config = LlamaConfig(**shapes)
-    config._attn_implementation = "sdpa"
     with torch.device(device):  # drawn where it runs, in its dtype: 8B parameters never pass through float32
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
 
@@ -69,10 +71,10 @@ def _synchronize(device: str) -> None:
 
 
 def _reset_peak(device: str) -> int:
-    """Reset the accelerator's peak-memory counter; the bytes allocated now (the baseline)."""
+    """Reset the accelerator's peak-memory counter (the allocator keeps its cached blocks: no fresh ``cudaMalloc``
+    inside a timed region); the bytes allocated now (the baseline)."""
     if not device.startswith("cuda"):
         return 0
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
 
@@ -84,16 +86,16 @@ def _peak(device: str, baseline: int) -> int | None:
 def measure(model, ids: torch.Tensor, configuration: str, budget: int, block: int | None, new_tokens: int) -> dict:
     """Prefill ``ids`` under one configuration, then decode ``new_tokens`` greedy tokens; times and memory."""
     device = str(ids.device)
-    if configuration == "full@b":
+    if configuration == FULL_AT_BUDGET:
         ids = ids[:, -budget:]
-    if configuration.startswith("full"):
+    if configuration in FULL_CONFIGURATIONS:
         cache = DynamicCache()
         step = block or ids.shape[1]
     else:
         cache = EvictionCache(model, budget=budget, policy=configuration, block_size=block)
         step = block
     baseline = _reset_peak(device)
-    with torch.no_grad():
+    with torch.no_grad(), cache if isinstance(cache, EvictionCache) else contextlib.nullcontext():
         _synchronize(device)
         began = time.perf_counter()
         for start in range(0, ids.shape[1], step):
@@ -109,8 +111,6 @@ def measure(model, ids: torch.Tensor, configuration: str, budget: int, block: in
             token = output.logits[:, -1].argmax(-1, keepdim=True)
         _synchronize(device)
         decode_s = time.perf_counter() - began
-    if isinstance(cache, EvictionCache):
-        cache.close()
     return {
         "prefill_s": prefill_s,
         "peak_memory_over_weights_bytes": peak,
@@ -120,24 +120,36 @@ def measure(model, ids: torch.Tensor, configuration: str, budget: int, block: in
 
 
 def configurations(policies, blocks) -> list[tuple[str, int | None]]:
-    """(name, block) of every configuration, in the order they run: references first."""
-    runs = [("full-sdpa", None), ("full@b", None)] + [("full-blocks", block) for block in blocks]
-    return runs + [(policy, block) for policy in policies for block in blocks]
+    """(name, block) of every configuration, in the order they run: the references, then per block size, largest
+    (fastest) first, the chunked full cache and every policy, so that a run cut short has every policy at one block
+    size."""
+    runs = [(FULL_SDPA, None), (FULL_AT_BUDGET, None)]
+    for block in sorted(blocks, reverse=True):
+        runs += [(FULL_BLOCKS, block)] + [(policy, block) for policy in policies]
+    return runs
 
 
 def gpu_check(
     model, prompt_tokens: int, budget: int, blocks, policies, new_tokens: int, device: str, save=None
 ) -> dict:
-    """Every configuration once (after a warm-up forward), on one random prompt; results keyed ``name`` or
-    ``name@block``. ``save(results)`` is called after each configuration (a run cut short keeps what it measured)."""
+    """Every configuration once, on one random prompt, after a warm-up of each kind of forward on a short one;
+    results keyed ``name`` or ``name@block``. A configuration that raises is recorded as ``{"error": ...}`` and the
+    run goes on; ``save(results)`` is called after each configuration (a run cut short keeps what it measured)."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=generator).to(device)
-    with torch.no_grad():
-        model(input_ids=ids[:, :16], use_cache=True, logits_to_keep=1)  # kernels, handles, lazy init
+    short = ids[:, : min(prompt_tokens, budget + 2 * max(blocks))]
+    for name, block in [(FULL_SDPA, None), (FULL_BLOCKS, max(blocks)), (policies[0], max(blocks))]:
+        with contextlib.suppress(Exception):  # a configuration that fails here fails again below, and is recorded
+            measure(model, short, name, budget, block, 2)  # kernels, masks, the hook, the allocator's first blocks
     results = {}
     for name, block in tqdm(configurations(policies, blocks), desc="gpu check", unit="config"):
         key = name if block is None else f"{name}@{block}"
-        results[key] = measure(model, ids, name, budget, block, 0 if name == "full-blocks" else new_tokens)
+        try:
+            results[key] = measure(model, ids, name, budget, block, 0 if name == FULL_BLOCKS else new_tokens)
+        except Exception as error:  # one failing configuration must not cost the others (OOM, a kernel missing)
+            results[key] = {"error": f"{type(error).__name__}: {error}"}
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
         if save is not None:
             save(results)
     return results
@@ -145,21 +157,26 @@ def gpu_check(
 
 def summary_lines(results: dict, meta: dict) -> list[str]:
     """Markdown: one row per configuration, with decoding vs ``full@b`` and prefill vs ``full-sdpa``."""
-    reference_decode = results.get("full@b", {}).get("decode_tokens_per_s")  # absent while a run is partial
-    reference_prefill = results.get("full-sdpa", {}).get("prefill_s")
+    reference_decode = results.get(FULL_AT_BUDGET, {}).get("decode_tokens_per_s")  # absent: partial or failed
+    reference_prefill = results.get(FULL_SDPA, {}).get("prefill_s")
     lines = [
         f"# Accelerator check: {meta['model']}, prompt {meta['prompt_tokens']} tokens, budget {meta['budget']}",
         "",
         f"- {meta['device_name']}; torch {meta['torch']}, transformers {meta['transformers']}; {meta['started']}",
-        f"- {meta['new_tokens']} decoded tokens per configuration; peak memory is the allocator's peak over the "
-        "weights (prompt activations included)",
+        f"- {meta['new_tokens']} decoded tokens per configuration; memory and KV peaks are those of the prefill "
+        f"(for full@b, of its {meta['budget']}-token prompt); memory is the allocator's peak over the weights",
         "",
-        "| configuration | prefill s | vs full-sdpa | peak memory over weights | KV peak | decode tok/s | vs full@b |",
+        "| configuration | prefill s | vs full-sdpa | prefill memory peak over weights | prefill KV peak | "
+        "decode tok/s | vs full@b |",
         "|---|---|---|---|---|---|---|",
     ]
     for key, entry in results.items():
-        prefill = "-" if key == "full@b" else f"{entry['prefill_s']:.2f}"
-        ratio = "-" if key == "full@b" or not reference_prefill else f"{entry['prefill_s'] / reference_prefill:.2f}x"
+        if "error" in entry:
+            lines.append(f"| {key} | failed: {entry['error'][:200]} | | | | | |")
+            continue
+        prefill = "-" if key == FULL_AT_BUDGET else f"{entry['prefill_s']:.2f}"
+        relative = entry["prefill_s"] / reference_prefill if reference_prefill else None
+        ratio = "-" if key == FULL_AT_BUDGET or relative is None else f"{relative:.2f}x"
         peak = entry["peak_memory_over_weights_bytes"]
         peak = "-" if peak is None else f"{peak / 2**30:.2f} GiB"
         decode = entry["decode_tokens_per_s"]

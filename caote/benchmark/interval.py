@@ -68,8 +68,8 @@ def interval_study(
     samples = []
     with tqdm(total=len(texts) * len(intervals), desc=policy, unit="run", disable=not progress) as bar:
         for index, ids in enumerate(texts):
+            steps = ids.shape[1] - prompt_tokens
             for interval in intervals:
-                steps = ids.shape[1] - prompt_tokens
                 reference = full_at_budget_speed(model, ids[:, :prompt_tokens], budget, steps)
                 result = decode_kl(model, ids, policy, budget, prompt_tokens, interval)
                 sample = {"text": index, "interval": interval, **result, "full_at_budget_tokens_per_s": reference}
