@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from caote.benchmark.config import FULL_AT_BUDGET, FULL_BLOCKS, FULL_CONFIGURATIONS, FULL_SDPA
+from caote.benchmark.config import FULL_AT_BUDGET, FULL_BLOCKS, FULL_SDPA
 from caote.benchmark.memory import cache_bytes
+from caote.benchmark.sample import configuration_cache
 from caote.cache import EvictionCache
 
 # Llama-3.1-8B's config.json, as published (the weights are random here)
@@ -86,14 +87,7 @@ def _peak(device: str, baseline: int) -> int | None:
 def measure(model, ids: torch.Tensor, configuration: str, budget: int, block: int | None, new_tokens: int) -> dict:
     """Prefill ``ids`` under one configuration, then decode ``new_tokens`` greedy tokens; times and memory."""
     device = str(ids.device)
-    if configuration == FULL_AT_BUDGET:
-        ids = ids[:, -budget:]
-    if configuration in FULL_CONFIGURATIONS:
-        cache = DynamicCache()
-        step = block or ids.shape[1]
-    else:
-        cache = EvictionCache(model, budget=budget, policy=configuration, block_size=block)
-        step = block
+    cache, ids, step = configuration_cache(model, configuration, ids, budget, block)
     baseline = _reset_peak(device)
     with torch.no_grad(), cache if isinstance(cache, EvictionCache) else contextlib.nullcontext():
         _synchronize(device)

@@ -30,6 +30,23 @@ def model_for(name: str, seed: int):
     return _MODELS[key]
 
 
+def configuration_cache(model, configuration: str, ids, budget: int, block: int, decode_eviction_interval: int = 1):
+    """The cache a configuration prefills, the prompt it reads and the tokens per forward: ``full-sdpa`` the whole
+    prompt in one forward, ``full-blocks`` blocks of ``block``, ``full@b`` only the last ``budget`` tokens in one
+    forward (`DynamicCache` all three), a policy an `EvictionCache` of ``budget`` fed in blocks of ``block``."""
+    if configuration == FULL_AT_BUDGET:
+        ids = ids[:, -budget:]
+        return DynamicCache(), ids, ids.shape[1]
+    if configuration == FULL_SDPA:
+        return DynamicCache(), ids, ids.shape[1]
+    if configuration == FULL_BLOCKS:
+        return DynamicCache(), ids, block
+    cache = EvictionCache(
+        model, budget=budget, policy=configuration, block_size=block, decode_eviction_interval=decode_eviction_interval
+    )
+    return cache, ids, block
+
+
 def run_sample(configuration: str, ids, settings: dict) -> dict:
     """Prefill ``ids`` under ``configuration`` (and decode when asked); returns one sample's measurements."""
     torch.set_num_threads(settings["threads"])
@@ -42,22 +59,9 @@ def run_sample(configuration: str, ids, settings: dict) -> dict:
     peak_reset = reset_peak_rss()
     baseline_rss = rss_bytes()
 
-    if configuration == FULL_AT_BUDGET:  # only the last `budget` tokens, in one forward
-        cache = DynamicCache()
-        ids = ids[:, -budget:]
-        context = step = ids.shape[1]
-    elif configuration in (FULL_SDPA, FULL_BLOCKS):
-        cache = DynamicCache()
-        step = context if configuration == FULL_SDPA else block
-    else:
-        cache = EvictionCache(
-            model,
-            budget=budget,
-            policy=configuration,
-            block_size=block,
-            decode_eviction_interval=settings.get("decode_eviction_interval", 1),
-        )
-        step = block
+    interval = settings.get("decode_eviction_interval", 1)
+    cache, ids, step = configuration_cache(model, configuration, ids, budget, block, interval)
+    context = ids.shape[1]
     with torch.no_grad():
         start = time.perf_counter()
         for begin in range(0, context, step):
