@@ -18,7 +18,7 @@ import sys
 import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -34,11 +34,22 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 CAOTE_MASKS = {"caote_sdpa": sdpa_mask, "caote_eager": eager_mask}
 
 
+class AttentionObserver(Protocol):
+    """What a forward's attention calls report to (an `EvictionCache`): the one call from this module upward.
+
+    ``after_forward`` may run forwards of its own through the same model (`caote.strategies.LookAhead` drafts),
+    whose attention calls report here again: the one run-time loop of the library (docs/architecture.md)."""
+
+    def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict) -> None: ...
+
+    def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None: ...
+
+
 @dataclass(frozen=True)
 class ActiveForward:
     """The forward running now under an `EvictionCache`: where the attention calls of its layers report."""
 
-    cache: Any  # the EvictionCache
+    cache: AttentionObserver
     implementation: str  # "sdpa" or "eager": the kernel the model had
 
 

@@ -13,9 +13,8 @@ import tempfile
 from pathlib import Path
 
 from caote.arguments import UsageError, memory_limits, positive_int
-from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY
 
-DEFAULT_BUDGET = 512
 DEFAULT_MAX_NEW_TOKENS = 64
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -200,13 +199,11 @@ def run_generate(args: argparse.Namespace) -> int:
     # start-up: generation and transformers import torch, which `caote --help` and argument errors do not need
     from transformers.utils import logging as transformers_logging
 
-    from caote.generation import check_settings
     from caote.models import load_model
+    from caote.settings import CacheSettings
 
     try:
-        check_settings(
-            budget=args.budget, policy=args.policy, block_size=args.block_size, max_new_tokens=args.max_new_tokens
-        )
+        settings = CacheSettings(budget=args.budget, policy=args.policy, block_size=args.block_size)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if args.output is not None:
@@ -226,10 +223,10 @@ def run_generate(args: argparse.Namespace) -> int:
             max_memory=args.max_memory,
             offload_folder=offload_folder if args.device_map else None,
         )
-        return _answer(args, text, model, tokenizer)
+        return _answer(args, settings, text, model, tokenizer)
 
 
-def _answer(args, text, model, tokenizer) -> int:
+def _answer(args, settings, text, model, tokenizer) -> int:
     """Stream the answer of the loaded model, then write / print what was asked."""
     from transformers import TextStreamer
 
@@ -246,10 +243,8 @@ def _answer(args, text, model, tokenizer) -> int:
         model,
         tokenizer,
         prompt,
-        budget=args.budget,
-        policy=args.policy,
+        settings=settings,
         max_new_tokens=args.max_new_tokens,
-        block_size=args.block_size,
         return_stats=True,
         streamer=streamer,
     )

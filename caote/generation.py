@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from caote.attention import attention_modules
-from caote.cache import DEFAULT_BLOCK_SIZE, DEFAULT_SINK_TOKENS, CacheStats, EvictionCache, validate_settings
-from caote.defaults import DEFAULT_POLICY
-from caote.policies import parse_policy
+from caote.cache import CacheStats, EvictionCache
+from caote.settings import FIELDS, CacheSettings
 
 # generate() options that need a cache which can be cropped, reordered or re-batched (EvictionCache cannot).
 UNSUPPORTED_MODES = {
@@ -33,7 +32,6 @@ RESERVED_ARGUMENTS = (
     "inputs",
     "attention_mask",
 )
-CACHE_ARGUMENTS = ("sink_tokens", "recent_window", "gqa", "seed", "decode_eviction_interval")
 
 
 @dataclass
@@ -45,26 +43,16 @@ class GenerationResult:
     stats: CacheStats
 
 
-def check_settings(
-    budget: int,
-    policy: str,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    max_new_tokens: int = 1,
-    sink_tokens: int = DEFAULT_SINK_TOKENS,
-    recent_window: int | None = None,
-    gqa: str = "rss",
-    seed: int = 0,
-    decode_eviction_interval: int = 1,
-) -> None:
-    """Validate the cache settings without a model (same rules and messages as `EvictionCache`).
-
-    Raises a one-line `ValueError` naming the bad value and what is allowed: unknown policy (with the closest
-    name), budget <= 0 or not above sink + recent window, block size or max_new_tokens not a positive integer.
-    """
-    parsed = parse_policy(policy)
+def check_max_new_tokens(max_new_tokens) -> None:
+    """A one-line `ValueError` unless ``max_new_tokens`` is an integer >= 1."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    validate_settings(parsed, budget, block_size, sink_tokens, recent_window, gqa, decode_eviction_interval)
+
+
+def split_settings(settings: CacheSettings | None, options: dict) -> CacheSettings:
+    """The cache settings of a call: ``settings``, or those named among ``options`` (removed from it; the rest are
+    for ``model.generate``), built and validated once."""
+    return CacheSettings.of(settings, **{name: options.pop(name) for name in FIELDS if name in options})
 
 
 def check_model(model) -> None:
@@ -168,10 +156,9 @@ def generate(
     model,
     tokenizer,
     prompt_or_messages,
-    budget: int = 512,
-    policy: str = DEFAULT_POLICY,
+    *,
     max_new_tokens: int = 64,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    settings: CacheSettings | None = None,
     return_stats: bool = False,
     streamer=None,
     **cache_and_generate_kwargs,
@@ -180,23 +167,22 @@ def generate(
 
     ``prompt_or_messages`` is a string (tokenised as is) or a list of chat messages (``[{"role": "user",
     "content": ...}]``, run through the tokenizer's chat template with the generation prompt). The prompt is
-    consumed in blocks of ``block_size`` tokens (evicting after each) and every decoded token evicts one. Extra
-    keyword arguments go to `EvictionCache` (``sink_tokens``, ``recent_window``, ``gqa``, ``seed``,
-    ``decode_eviction_interval``) or else to
-    ``model.generate`` (``do_sample``, ``temperature``, ...); decoding defaults to greedy.
+    consumed in blocks of ``block_size`` tokens (evicting after each) and every decoded token evicts one. The cache
+    settings come as one `CacheSettings` (``settings=``) or as its fields among the keyword arguments (``budget``,
+    ``policy``, ``block_size``, ``sink_tokens``, ``recent_window``, ``gqa``, ``decode_eviction_interval``,
+    ``seed``; defaults in `caote.defaults`); every other keyword goes to ``model.generate`` (``do_sample``,
+    ``temperature``, ...); decoding defaults to greedy.
 
-    Every input is checked before the first forward: policy, budget, block size, the model (a loaded model, not a
-    name: use `caote.models.load_model`) and its class, the decoding mode (beam search, assisted / prompt-lookup
-    decoding and contrastive search are refused, since the cache cannot be cropped or reordered), an empty prompt
-    and a prompt beyond the model's position limit each raise a one-line `ValueError`.
+    Every input is checked before the first forward: the settings, the model (a loaded model, not a name: use
+    `caote.models.load_model`) and its class, the decoding mode (beam search, assisted / prompt-lookup decoding and
+    contrastive search are refused, since the cache cannot be cropped or reordered), an empty prompt and a prompt
+    beyond the model's position limit each raise a one-line `ValueError`.
 
     Returns the text, or a `GenerationResult` (text, token ids, `CacheStats`) with ``return_stats=True``.
     """
     check_model(model)
-    cache_kwargs = {
-        key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs
-    }
-    check_settings(budget, policy, block_size, max_new_tokens, **cache_kwargs)
+    settings = split_settings(settings, cache_and_generate_kwargs)
+    check_max_new_tokens(max_new_tokens)
     attention_modules(model)  # refuses unsupported architectures before anything runs
     check_generate_options(model, cache_and_generate_kwargs)
     input_ids = encode_prompt(tokenizer, prompt_or_messages)
@@ -207,15 +193,7 @@ def generate(
         pad_token_id = tokenizer.eos_token_id
     cache_and_generate_kwargs.setdefault("pad_token_id", pad_token_id)
     new_ids, stats = generate_ids(
-        model,
-        input_ids,
-        budget,
-        policy,
-        max_new_tokens,
-        block_size,
-        streamer=streamer,
-        **cache_kwargs,
-        **cache_and_generate_kwargs,
+        model, input_ids, settings, max_new_tokens, streamer=streamer, **cache_and_generate_kwargs
     )
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return GenerationResult(text, new_ids, stats) if return_stats else text
@@ -224,35 +202,31 @@ def generate(
 def generate_ids(
     model,
     input_ids: torch.Tensor,
-    budget: int,
-    policy: str,
+    settings: CacheSettings,
     max_new_tokens: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
     streamer=None,
-    **cache_and_generate_kwargs,
+    **generate_kwargs,
 ) -> tuple[list[int], CacheStats]:
     """The decoding core of `generate` (and of the evaluation runner): ``input_ids`` ``(1, T)`` answered under a
-    fresh `EvictionCache`, the prompt consumed in blocks of ``block_size``; greedy unless ``do_sample=True``.
+    fresh `EvictionCache` of ``settings``, the prompt consumed in blocks of ``settings.block_size``; greedy unless
+    ``do_sample=True``.
 
-    Checks nothing itself (`generate` checks first). Keyword arguments named in `CACHE_ARGUMENTS` go to the cache,
-    the rest to ``model.generate``. Returns the new token ids and the cache's `CacheStats`."""
-    cache_kwargs = {
-        key: cache_and_generate_kwargs.pop(key) for key in CACHE_ARGUMENTS if key in cache_and_generate_kwargs
-    }
+    Checks nothing itself (`generate` checks first); keyword arguments go to ``model.generate``. Returns the new
+    token ids and the cache's `CacheStats`."""
     input_ids = input_ids.to(model.device)
-    cache_and_generate_kwargs.setdefault("do_sample", False)
-    if not cache_and_generate_kwargs["do_sample"]:
-        cache_and_generate_kwargs.update(temperature=None, top_p=None, top_k=None)
-    cache = EvictionCache(model, budget=budget, policy=policy, block_size=block_size, **cache_kwargs)
+    generate_kwargs.setdefault("do_sample", False)
+    if not generate_kwargs["do_sample"]:
+        generate_kwargs.update(temperature=None, top_p=None, top_k=None)
+    cache = EvictionCache(model, settings)
     cache.check_sequence_length(input_ids.shape[1] + max_new_tokens)
     with torch.no_grad(), cache:
         output = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
             cache=cache,
-            prefill_chunk_size=block_size,
+            prefill_chunk_size=settings.block_size,
             max_new_tokens=max_new_tokens,
             streamer=streamer,
-            **cache_and_generate_kwargs,
+            **generate_kwargs,
         )
     return output[0, input_ids.shape[1] :].tolist(), cache.stats()

@@ -30,9 +30,9 @@ import torch
 from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
-from caote.cache import DEFAULT_BLOCK_SIZE, EvictionCache
-from caote.defaults import DEFAULT_POLICY
-from caote.generation import CACHE_ARGUMENTS, check_length, check_settings
+from caote.cache import EvictionCache
+from caote.generation import check_length, check_max_new_tokens
+from caote.settings import FIELDS, CacheSettings
 
 TASK = "caote-text-generation"
 COMPRESS = ("all", "context")  # what the budget covers: context, question and answer; or the context only (kvpress)
@@ -56,9 +56,10 @@ def split_chat_template(tokenizer, context: str) -> tuple[str, str]:
 class CaoteTextGenerationPipeline(Pipeline):
     """Answer one or more questions about a context from a single compressed prefill.
 
-    Call: ``pipe(context, question=None, questions=None, budget=512, policy=DEFAULT_POLICY, block_size=128,
-    max_new_tokens=50, answer_prefix="", chat=None, compress="all", return_stats=False, sink_tokens=...,
-    recent_window=..., gqa=..., seed=...)``. Returns ``{"answer": str}`` for ``question`` (or none) and
+    Call: ``pipe(context, question=None, questions=None, max_new_tokens=50, answer_prefix="", chat=None,
+    compress="all", return_stats=False, settings=None, budget=..., policy=..., block_size=..., sink_tokens=...,
+    recent_window=..., gqa=..., decode_eviction_interval=..., seed=...)``: the cache settings as one `CacheSettings`
+    or as its fields (defaults in `caote.defaults`). Returns ``{"answer": str}`` for ``question`` (or none) and
     ``{"answers": [str, ...]}`` for ``questions``; with ``return_stats=True`` also ``"stats"``: the `CacheStats`
     after the context and after each answer. ``chat=None`` uses the chat template when the tokenizer has one.
     ``compress``: what the budget covers (see the module docstring). Decoding is greedy, batch size 1.
@@ -75,19 +76,17 @@ class CaoteTextGenerationPipeline(Pipeline):
         questions=None,
         answer_prefix: str = "",
         chat=None,
-        budget: int = 512,
-        policy: str = DEFAULT_POLICY,
-        block_size: int = DEFAULT_BLOCK_SIZE,
         max_new_tokens: int = 50,
         compress: str = "all",
         return_stats: bool = False,
+        settings: CacheSettings | None = None,
         **kwargs,
     ):
-        unknown = sorted(set(kwargs) - set(CACHE_ARGUMENTS))
+        unknown = sorted(set(kwargs) - set(FIELDS))
         if unknown:
             raise ValueError(
                 f"unknown argument(s) {', '.join(unknown)} for the {TASK} pipeline; "
-                f"cache arguments are {', '.join(CACHE_ARGUMENTS)}"
+                f"cache settings are {', '.join(FIELDS)}"
             )
         if question is not None and questions is not None:
             raise ValueError("give either question or questions, not both")
@@ -101,17 +100,10 @@ class CaoteTextGenerationPipeline(Pipeline):
             if question is not None and not isinstance(question, str):
                 raise ValueError(f"question must be a string, got {type(question).__name__}")
             items = [question or ""]
-        cache_kwargs = {key: kwargs[key] for key in CACHE_ARGUMENTS if key in kwargs}
-        check_settings(budget, policy, block_size, max_new_tokens, **cache_kwargs)
+        settings = CacheSettings.of(settings, **kwargs)
+        check_max_new_tokens(max_new_tokens)
         preprocess = {"questions": items, "answer_prefix": answer_prefix, "chat": chat}
-        forward = {
-            "budget": budget,
-            "policy": policy,
-            "block_size": block_size,
-            "max_new_tokens": max_new_tokens,
-            "compress": compress,
-            "cache_kwargs": cache_kwargs,
-        }
+        forward = {"settings": settings, "max_new_tokens": max_new_tokens, "compress": compress}
         postprocess = {"single": questions is None, "return_stats": return_stats}
         return preprocess, forward, postprocess
 
@@ -132,21 +124,14 @@ class CaoteTextGenerationPipeline(Pipeline):
         ]
         return {"context_ids": context_ids, "question_ids": question_ids}
 
-    def _forward(
-        self,
-        model_inputs,
-        budget=512,
-        policy=DEFAULT_POLICY,
-        block_size=DEFAULT_BLOCK_SIZE,
-        max_new_tokens=50,
-        compress="all",
-        cache_kwargs=None,
-    ):
+    def _forward(self, model_inputs, settings: CacheSettings | None = None, max_new_tokens=50, compress="all"):
+        settings = settings or CacheSettings()
+        block_size = settings.block_size
         context_ids = model_inputs["context_ids"]
         question_ids = model_inputs["question_ids"]
         longest = max(ids.shape[-1] for ids in question_ids)
         check_length(self.model, context_ids.shape[-1] + longest, max_new_tokens)
-        cache = EvictionCache(self.model, budget=budget, policy=policy, block_size=block_size, **(cache_kwargs or {}))
+        cache = EvictionCache(self.model, settings)
         with cache:
             context_logits = self._feed(context_ids, cache, block_size)
             if compress == "context":

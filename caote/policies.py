@@ -4,20 +4,23 @@ A policy name is ``<base>`` or ``<base>+caote`` / ``<base>+fastcaote`` (e.g. ``"
 (no eviction). A value-aware name may end in ``/<gqa>`` (``"tova+caote/mean"``) to fix how the CAOTE errors of a
 KV group's query heads combine (`caote.scoring.GQA_AGGREGATIONS`), e.g. for an ablation in one evaluation grid.
 
-Adding a base means writing one score function in `caote.scoring` and one `BaseScore` entry here; the entry says
-everything the cache must provide (which attention rows, random numbers), so nothing else names it.
+Adding a base means writing one score function in `caote.scoring` and one `BaseScore` entry here; the entry carries
+the base's behaviour (what it remembers of the attention rows, when it evicts), so nothing else names it.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
 from caote import scoring
 from caote.defaults import PAPER_BASES
+from caote.history import AttentionSum, RecentRows
+from caote.strategies import Hindsight, Immediate, LookAhead
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,53 +31,60 @@ class ScoreInputs:
     values: torch.Tensor  # (B, H_kv, N, d)
     positions: torch.Tensor  # (B, H_kv, N) absolute positions, -1 for padding
     real: torch.Tensor | None  # (B, H_kv, N) bool, False for padding (takes no part in any score); None: no padding
-    accumulated: torch.Tensor | None = None  # (B, H_q, N) attention summed over every query seen ("all" rows)
-    recent_rows: torch.Tensor | None = None  # (B, H_q, R, N) attention of the newest queries ("recent" rows)
-    generator: torch.Generator | None = None  # CPU generator, for bases that need random numbers
+    history: torch.Tensor | None = None  # what the base's `history` kept of the attention rows, token axis last
+    random: Callable[[], torch.Generator] | None = None  # the cache's seeded CPU generator, made on first use
     future: torch.Tensor | None = None  # (B, H_kv, N) attention from later queries (hindsight, `caote.future`)
     ahead_rows: torch.Tensor | None = None  # (B, H_q, k, N) attention of k drafted queries (look-ahead bases)
 
 
+@dataclass(frozen=True)
+class About:
+    """What a report says of a base (no part of how it runs): a one-line ``summary``, its ``reference`` and, for a
+    policy beyond the paper, the ``paper_base`` that reads the same kind of query rows (its best variant is the
+    reference of docs/results.md's "beyond the paper" section)."""
+
+    summary: str
+    reference: str
+    paper_base: str | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class BaseScore:
-    """A base eviction score and what it needs from the cache.
+    """A base eviction score: how it scores, what it remembers and when it evicts.
 
-    ``query_rows``: which attention rows the cache must compute: ``"none"``, ``"recent"`` (the newest
-    ``query_window`` queries) or ``"all"`` (every query, accumulated H2O-style).
+    ``score``: `ScoreInputs` -> ``(B, H, N)``, higher = keep.
+    ``history``: what the layer remembers of the attention rows (`caote.history`: ``AttentionSum`` for H2O's
+    running sum, ``RecentRows(w)`` for the newest ``w`` rows), read as ``ScoreInputs.history``; None for none.
+    ``strategy``: when a layer is evicted and with which extra inputs (`caote.strategies`): right after its
+    attention by default, with the hindsight of later queries (``Hindsight``) or after a greedy draft
+    (``LookAhead``); chosen once, when a cache is built.
+    ``keep_unscored``: for a score that is the token's recency, the slots to keep ``(positions, kept, sinks) ->
+    indices`` when no slot holds padding, without scoring (slots are in arrival order).
     ``per_query_head``: the score comes per query head (attention) rather than per KV head (keys).
     ``signed``: scores may be negative, so CAOTE shifts them before normalising.
     ``recent_window``: newest tokens protected from eviction unless the user overrides it (by default just the
     newest token, which the next step reads first); a float is a share of the budget (H2O's heavy-hitter / recent
     split).
     ``layer_wide``: one decision for the whole layer (every KV head keeps the same tokens), as the original TOVA.
-    ``needs_random``: the score draws random numbers (the cache hands it a seeded generator).
     ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
-    ``needs_future``: the score reads the attention of later queries (`caote.future.FutureAttention`), known only on
-    a teacher-forced text: a hindsight ceiling for evaluation, refused for generation.
-    ``paper_base``: for a policy beyond the paper, the paper base that reads the same kind of query rows (its best
-    variant is the reference of docs/results.md's "beyond the paper" section).
-    ``recency``: the score is the token's position (the newest rank highest), so without padding the cache drops the
-    oldest unprotected slots directly (slots are in arrival order), with no scoring.
-    ``lookahead``: before each prompt block's eviction the model drafts this many tokens greedily and the score also
-    reads their queries' attention (``ahead_rows``; `caote.lookahead`); 0 for none.
     """
 
     name: str
     score: Callable[[ScoreInputs], torch.Tensor]
-    summary: str
-    reference: str
-    query_rows: str = "none"
-    query_window: int = 1
+    about: About
+    history: AttentionSum | RecentRows | None = None
+    strategy: Callable[..., Immediate] = Immediate
+    keep_unscored: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
     per_query_head: bool = False
     signed: bool = False
     recent_window: int | float = 1
     layer_wide: bool = False
-    needs_random: bool = False
     rank_only: bool = False
-    needs_future: bool = False
-    paper_base: str | None = None
-    recency: bool = False
-    lookahead: int = 0
+
+    @property
+    def hindsight(self) -> bool:
+        """The score reads the attention of later queries, known only on a teacher-forced text: it cannot generate."""
+        return self.strategy is Hindsight
 
 
 SNAPKV_WINDOW = 32
@@ -86,8 +96,8 @@ LOOKAHEAD_TOKENS = 8  # caote-ahead's greedy draft before each prompt block's ev
 def rows_and_draft(inputs: ScoreInputs) -> torch.Tensor:
     """The recent attention rows followed by the drafted queries' rows, when a draft ran."""
     if inputs.ahead_rows is None:
-        return inputs.recent_rows
-    return torch.cat([inputs.recent_rows, inputs.ahead_rows], dim=-2)
+        return inputs.history
+    return torch.cat([inputs.history, inputs.ahead_rows], dim=-2)
 
 
 BASE_SCORES: dict[str, BaseScore] = {
@@ -96,115 +106,122 @@ BASE_SCORES: dict[str, BaseScore] = {
         BaseScore(
             name="streamingllm",
             score=lambda x: scoring.streamingllm_score(x.positions),
-            summary="attention sinks + the most recent tokens",
-            reference="Xiao et al. 2023, arXiv 2309.17453",
+            about=About("attention sinks + the most recent tokens", "Xiao et al. 2023, arXiv 2309.17453"),
+            keep_unscored=scoring.oldest_after_sinks_dropped,
             rank_only=True,
-            recency=True,
         ),
         BaseScore(
             name="h2o",
-            score=lambda x: scoring.h2o_score(x.accumulated),
-            summary="attention accumulated over every query so far (heavy hitters; half the budget kept recent)",
-            reference="Zhang et al. 2023, arXiv 2306.14048",
-            query_rows="all",
+            score=lambda x: scoring.h2o_score(x.history),
+            about=About(
+                "attention accumulated over every query so far (heavy hitters; half the budget kept recent)",
+                "Zhang et al. 2023, arXiv 2306.14048",
+            ),
+            history=AttentionSum(),
             per_query_head=True,
             recent_window=0.5,
         ),
         BaseScore(
             name="tova",
-            score=lambda x: scoring.tova_score(x.recent_rows),
-            summary="attention of the newest query, averaged per KV group (each KV head evicts its own tokens)",
-            reference="Oren et al. 2024, arXiv 2401.06104",
-            query_rows="recent",
+            score=lambda x: scoring.tova_score(x.history),
+            about=About(
+                "attention of the newest query, averaged per KV group (each KV head evicts its own tokens)",
+                "Oren et al. 2024, arXiv 2401.06104",
+            ),
+            history=RecentRows(1),
             per_query_head=True,
         ),
         BaseScore(
             name="tova-layer",
-            score=lambda x: scoring.tova_score(x.recent_rows),
-            summary="TOVA as published: attention of the newest query averaged over all heads of the layer; "
-            "every KV head keeps the same tokens",
-            reference="Oren et al. 2024, arXiv 2401.06104",
-            query_rows="recent",
+            score=lambda x: scoring.tova_score(x.history),
+            about=About(
+                "TOVA as published: attention of the newest query averaged over all heads of the layer; every KV "
+                "head keeps the same tokens",
+                "Oren et al. 2024, arXiv 2401.06104",
+            ),
+            history=RecentRows(1),
             per_query_head=True,
             layer_wide=True,
         ),
         BaseScore(
             name="snapkv",
-            score=lambda x: scoring.snapkv_score(x.recent_rows, SNAPKV_KERNEL),
-            summary=f"attention of the last {SNAPKV_WINDOW} queries on the tokens before them, pooled over "
-            f"{SNAPKV_KERNEL} neighbours",
-            reference="Li et al. 2024, arXiv 2404.14469",
-            query_rows="recent",
-            query_window=SNAPKV_WINDOW,
+            score=lambda x: scoring.snapkv_score(x.history, SNAPKV_KERNEL),
+            about=About(
+                f"attention of the last {SNAPKV_WINDOW} queries on the tokens before them, pooled over "
+                f"{SNAPKV_KERNEL} neighbours",
+                "Li et al. 2024, arXiv 2404.14469",
+            ),
+            history=RecentRows(SNAPKV_WINDOW),
             per_query_head=True,
             recent_window=SNAPKV_WINDOW,
         ),
         BaseScore(
             name="keydiff",
             score=lambda x: scoring.keydiff_score(x.keys, x.real),
-            summary="negative cosine similarity of each key to the mean key",
-            reference="Park et al. 2025, arXiv 2504.15364",
+            about=About("negative cosine similarity of each key to the mean key", "Park et al. 2025, arXiv 2504.15364"),
             signed=True,
         ),
         BaseScore(
             name="knorm",
             score=lambda x: scoring.knorm_score(x.keys),
-            summary="negative L2 norm of each key",
-            reference="Devoto et al. 2024, arXiv 2406.11430",
+            about=About("negative L2 norm of each key", "Devoto et al. 2024, arXiv 2406.11430"),
             signed=True,
         ),
         BaseScore(
             name="random",
-            score=lambda x: scoring.random_score(x.keys, x.generator),
-            summary="uniformly random scores (a floor to beat)",
-            reference="-",
-            needs_random=True,
+            score=lambda x: scoring.random_score(x.keys, x.random()),
+            about=About("uniformly random scores (a floor to beat)", "-"),
         ),
         BaseScore(
             name="caote-window",
-            score=lambda x: scoring.multi_row_caote_score(x.recent_rows, x.values),
-            summary=f"beyond the paper: the exact CAOTE output change over each of the newest {SNAPKV_WINDOW} real "
-            "queries (SnapKV's window), root-mean-square over the queries that see the token and rss over the KV "
-            "group; costs the attention of those rows",
-            reference="this library; CAOTE of arXiv 2504.14051 over many queries",
-            query_rows="recent",
-            query_window=SNAPKV_WINDOW,
+            score=lambda x: scoring.multi_row_caote_score(x.history, x.values),
+            about=About(
+                f"beyond the paper: the exact CAOTE output change over each of the newest {SNAPKV_WINDOW} real "
+                "queries (SnapKV's window), root-mean-square over the queries that see the token and rss over the KV "
+                "group; costs the attention of those rows",
+                "this library; CAOTE of arXiv 2504.14051 over many queries",
+                paper_base="snapkv",
+            ),
+            history=RecentRows(SNAPKV_WINDOW),
             rank_only=True,
-            paper_base="snapkv",
         ),
         BaseScore(
             name="caote-block",
-            score=lambda x: scoring.multi_row_caote_score(x.recent_rows, x.values),
-            summary=f"beyond the paper: caote-window over the newest {BLOCK_ROWS} queries (a whole prefill block; "
-            "the latest decoded queries when decoding); costs about one more attention pass per block",
-            reference="this library; CAOTE of arXiv 2504.14051 over many queries",
-            query_rows="recent",
-            query_window=BLOCK_ROWS,
+            score=lambda x: scoring.multi_row_caote_score(x.history, x.values),
+            about=About(
+                f"beyond the paper: caote-window over the newest {BLOCK_ROWS} queries (a whole prefill block; the "
+                "latest decoded queries when decoding); costs about one more attention pass per block",
+                "this library; CAOTE of arXiv 2504.14051 over many queries",
+                paper_base="h2o",
+            ),
+            history=RecentRows(BLOCK_ROWS),
             rank_only=True,
-            paper_base="h2o",
         ),
         BaseScore(
             name="caote-ahead",
             score=lambda x: scoring.multi_row_caote_score(rows_and_draft(x), x.values),
-            summary=f"beyond the paper: caote-block whose rows also include the queries of {LOOKAHEAD_TOKENS} tokens "
-            "the model drafts greedily before each prompt block's eviction (decode steps: caote-block); costs "
-            f"{LOOKAHEAD_TOKENS} one-token forwards per prompt block, and every layer holds budget + block tokens "
-            "until the block's forward ends",
-            reference="this library; draft queries as in Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334",
-            query_rows="recent",
-            query_window=BLOCK_ROWS,
+            about=About(
+                f"beyond the paper: caote-block whose rows also include the queries of {LOOKAHEAD_TOKENS} tokens the "
+                "model drafts greedily before each prompt block's eviction (decode steps: caote-block); costs "
+                f"{LOOKAHEAD_TOKENS} one-token forwards per prompt block, and every layer holds budget + block tokens "
+                "until the block's forward ends",
+                "this library; draft queries as in Lookahead Q-Cache, Wang et al. 2025, arXiv 2505.20334",
+                paper_base="h2o",
+            ),
+            history=RecentRows(BLOCK_ROWS),
+            strategy=partial(LookAhead, tokens=LOOKAHEAD_TOKENS),
             rank_only=True,
-            paper_base="h2o",
-            lookahead=LOOKAHEAD_TOKENS,
         ),
         BaseScore(
             name="oracle",
             score=lambda x: x.future,
-            summary="hindsight ceiling: the attention each token receives from all later queries of the full-cache "
-            "pass, summed over its KV group (teacher-forced text only; cannot generate)",
-            reference="-",
+            about=About(
+                "hindsight ceiling: the attention each token receives from all later queries of the full-cache pass, "
+                "summed over its KV group (teacher-forced text only; cannot generate)",
+                "-",
+            ),
+            strategy=Hindsight,
             rank_only=True,
-            needs_future=True,
         ),
     )
 }
@@ -259,7 +276,7 @@ def policy_names(hindsight: bool = False) -> list[str]:
     (``oracle``), which only teacher-forced evaluation can run."""
     names = ["full"]
     for name, base in BASE_SCORES.items():
-        if base.needs_future and not hindsight:
+        if base.hindsight and not hindsight:
             continue
         names.append(name)
         if not base.rank_only:
@@ -299,7 +316,7 @@ def parse_policy(name: str) -> Policy:
 
 def hindsight_policies(names: list[str]) -> list[str]:
     """The policies among ``names`` that need the future (``oracle``): teacher-forced texts only."""
-    return [name for name in names if parse_policy(name).evicts and parse_policy(name).base.needs_future]
+    return [name for name in names if parse_policy(name).evicts and parse_policy(name).base.hindsight]
 
 
 def expand_policies(spec: str) -> list[str]:
@@ -322,7 +339,7 @@ def describe(name: str) -> str:
     policy = parse_policy(name)
     if policy.base is None:
         return "keep every token (no eviction; the reference)"
-    text = f"{policy.base.summary} [{policy.base.reference}]"
+    text = f"{policy.base.about.summary} [{policy.base.about.reference}]"
     if policy.transform != "none":
         text += f"; {TRANSFORM_SUMMARIES[policy.transform]}"
     if policy.gqa is not None:

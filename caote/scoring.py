@@ -49,22 +49,29 @@ def normalise_weights(weights: torch.Tensor, signed: bool = False, padded: bool 
 def eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """``w_j / (1 - w_j) * ||output - v_j||_2`` for every token j, exact for every weight.
 
-    For ``w_j <= 1/2`` the formula is well conditioned as written. The (at most one) token with ``w_j > 1/2`` would
-    lose ``1 - w_j`` and ``output - v_j`` to cancellation, so its error is computed from the other tokens directly:
-    with ``X_-j = sum_{i != j} w_i v_i`` and ``rest = sum_{i != j} w_i``, ``c_j = w_j * ||X_-j / rest - v_j||``.
-    When every other weight is exactly zero, evicting j leaves nothing to renormalise: its error is ``+inf`` (it
-    always ranks first). ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them.
-    """
+    ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them; ``output`` ``(..., d)``.
+    The formula is well conditioned as written for ``w_j <= 1/2``; the (at most one) heavier token gets
+    `heaviest_token_error`'s stable form."""
     values = values[(None,) * (weights.dim() + 1 - values.dim())]  # leading axes the broadcast would add
     distance = torch.linalg.vector_norm(output.unsqueeze(-2) - values, dim=-1)
-    error = weights / (1.0 - weights).clamp_min(0.5) * distance
+    return heaviest_token_error(weights / (1.0 - weights).clamp_min(0.5) * distance, weights, values)
+
+
+def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``error`` ``(..., N)`` with the entry of the token holding more than half of a row's weight recomputed stably.
+
+    For ``w_j > 1/2``, ``1 - w_j`` and ``output - v_j`` lose digits to cancellation, so the error comes from the
+    other tokens directly: with ``X_-j = sum_{i != j} w_i v_i`` and ``rest = sum_{i != j} w_i``,
+    ``c_j = w_j * ||X_-j / rest - v_j||``. When every other weight is exactly zero, evicting j leaves nothing to
+    renormalise: its error is ``+inf`` (it always ranks first). ``weights`` ``(..., N)`` sum to 1, ``values``
+    ``(..., N, d)`` with as many axes as ``weights`` plus one (size-1 axes broadcast)."""
     heaviest = weights.argmax(-1, keepdim=True)
+    top_weight = weights.gather(-1, heaviest)
     others = weights.scatter(-1, heaviest, 0.0)
     rest = others.sum(-1, keepdim=True)
     without = torch.einsum("...n,...nd->...d", others, values)  # broadcast, not expanded: no copy of the values
-    top_value = torch.take_along_dim(values, heaviest.unsqueeze(-1), dim=-2)
-    top_weight = weights.gather(-1, heaviest)
-    moved = torch.linalg.vector_norm(without.unsqueeze(-2) / rest.unsqueeze(-1) - top_value, dim=-1)
+    top_value = torch.take_along_dim(values, heaviest.unsqueeze(-1), dim=-2).squeeze(-2)
+    moved = torch.linalg.vector_norm(without / rest - top_value, dim=-1, keepdim=True)
     stable = torch.where(rest > 0, top_weight * moved, torch.full_like(moved, math.inf))
     return error.scatter(-1, heaviest, torch.where(top_weight > 0.5, stable, error.gather(-1, heaviest)))
 
@@ -73,12 +80,12 @@ def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor 
     """CAOTE eviction error of every token (Goel et al., arXiv 2504.14051, Thm. 3.2).
 
     ``c_j = w_j / (1 - w_j) * || sum_i w_i v_i - v_j ||_2``: the exact change of the attention output when token j
-    alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` are normalised to sum to 1 first
-    (``-inf`` marks padding); ``values`` ``(..., N, d)`` broadcast against them (GQA: weights ``(B, H_kv, g, N)``,
-    values ``(B, H_kv, 1, N, d)``). ``real`` is accepted for the same signature as `fast_caote_score` (padding
-    already has weight 0 here). Computed in float32 (float64 inputs in float64); never NaN.
+    alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` are a distribution (`normalise_weights`:
+    float32, or float64; padding has weight 0); ``values`` ``(..., N, d)`` broadcast against them (GQA: weights
+    ``(B, H_kv, g, N)``, values ``(B, H_kv, 1, N, d)``). ``real`` is accepted for the same signature as
+    `fast_caote_score`. Never NaN.
     """
-    weights = normalise_weights(weights)
+    weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
     output = torch.einsum("...n,...nd->...d", weights, values)
     return eviction_error(weights, values, output)
@@ -87,10 +94,11 @@ def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor 
 def fast_caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """FastCAOTE (arXiv 2504.14051, §3): CAOTE with the plain mean of the values in place of ``sum_i w_i v_i``.
 
-    ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; shapes as in `caote_score`. ``real`` ``(..., N)``
-    (broadcast like the weights' leading axes) marks the tokens that are not padding: the mean is over those only.
+    ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; weights and values as in `caote_score`. ``real``
+    ``(..., N)`` (broadcast like the weights' leading axes) marks the tokens that are not padding: the mean is over
+    those only.
     """
-    weights = normalise_weights(weights)
+    weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
     return eviction_error(weights, values, masked_mean(values, real))
 
@@ -101,7 +109,7 @@ def row_eviction_errors(rows: torch.Tensor, values: torch.Tensor) -> torch.Tenso
     renormalised over its support first), ``values`` ``(B, H_kv, N, d)``; returns ``(B, H_kv, g, R, N)``.
 
     ``||X_r - v_j||^2`` is expanded into matrix products (one batched matmul per term, no ``R x N x d`` tensor);
-    the token holding more than half of a row's mass gets `eviction_error`'s stable form ``w * ||X_-j/rest - v_j||``.
+    the token holding more than half of a row's mass gets `heaviest_token_error`'s stable form.
     """
     weights = rows.to(compute_dtype(rows))
     weights = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
@@ -113,16 +121,7 @@ def row_eviction_errors(rows: torch.Tensor, values: torch.Tensor) -> torch.Tenso
         + values.pow(2).sum(-1).unsqueeze(-2)
     )
     error = weights / (1.0 - weights).clamp_min(0.5) * squared.clamp_min(0.0).sqrt()
-    heaviest = weights.argmax(-1, keepdim=True)  # (B, H_kv, g, R, 1)
-    top_weight = weights.gather(-1, heaviest)
-    others = weights.scatter(-1, heaviest, 0.0)
-    without = others @ values  # X_-j of the heaviest token, summed without cancellation
-    top_value = torch.take_along_dim(values, heaviest, dim=-2)  # (B, H_kv, g, R, d)
-    rest = others.sum(-1, keepdim=True)
-    moved = torch.linalg.vector_norm(without / rest.clamp_min(torch.finfo(weights.dtype).tiny) - top_value, dim=-1)
-    stable = torch.where(rest.squeeze(-1) > 0, top_weight.squeeze(-1) * moved, torch.full_like(moved, math.inf))
-    chosen = torch.where(top_weight.squeeze(-1) > 0.5, stable, error.gather(-1, heaviest).squeeze(-1))
-    return error.scatter(-1, heaviest, chosen.unsqueeze(-1))
+    return heaviest_token_error(error, weights, values.unsqueeze(3))  # values (B, H_kv, 1, 1, N, d)
 
 
 def multi_row_caote_score(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -202,6 +201,16 @@ def snapkv_score(window_rows: torch.Tensor, kernel_size: int = 5) -> torch.Tenso
     before = votes[..., : tokens - window].reshape(batch * heads, 1, tokens - window)
     pooled = F.avg_pool1d(before, kernel_size, stride=1, padding=kernel_size // 2)[..., : tokens - window]
     return torch.cat([pooled.view(batch, heads, -1), votes[..., tokens - window :]], dim=-1)
+
+
+def oldest_after_sinks_dropped(positions: torch.Tensor, kept: int, sink_tokens: int) -> torch.Tensor:
+    """StreamingLLM without scoring: the ``kept`` slots ``(B, H, kept)`` left when the oldest tokens after the sinks
+    go, for a cache whose slots hold tokens in arrival order (so those are the slots right after the sinks). Assumes
+    no padding and positions rising with the slot (true unless a caller passes ``position_ids`` that go
+    backwards)."""
+    sinks = (positions < sink_tokens).sum(-1, keepdim=True)
+    slots = torch.arange(kept, device=positions.device)
+    return slots + (positions.shape[-1] - kept) * (slots >= sinks)
 
 
 def streamingllm_score(positions: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from conftest import random_ids, tiny_model
 
 from caote.cache import EvictionCache
 from caote.evaluation.lockstep import lockstep
+from caote.layer import EvictionLayer
 from caote.policies import LOOKAHEAD_TOKENS
 from caote.scoring import caote_score, multi_row_caote_score
 
@@ -60,7 +61,7 @@ def test_multi_row_error_equals_evicting_and_recomputing(seed):
 
 def test_one_row_is_caote_itself():
     generator = torch.Generator().manual_seed(3)
-    rows = torch.randn(1, 2, 1, 7, generator=generator).softmax(-1).double()  # one query head per KV head
+    rows = torch.randn(1, 2, 1, 7, generator=generator).double().softmax(-1)  # one query head per KV head; sums to 1
     values = torch.randn(1, 2, 7, 5, generator=generator).double()
     single = caote_score(rows[:, :, 0], values)
     assert torch.allclose(multi_row_caote_score(rows, values), single, rtol=1e-12)
@@ -86,14 +87,15 @@ def test_the_look_ahead_scores_with_the_queries_of_the_greedy_draft(monkeypatch)
     model = tiny_model("llama", attn_implementation="eager")
     ids = random_ids(64, seed=9)
     drafted = {}
-    evict = EvictionCache._evict
+    evict = EvictionLayer.evict
 
-    def spy(self, index, kept, ahead_rows=None):
-        drafted.setdefault(index, ahead_rows)
-        return evict(self, index, kept, ahead_rows)
+    def spy(self, kept, random, **inputs):
+        drafted.setdefault(index_of(self), inputs.get("ahead_rows"))
+        return evict(self, kept, random, **inputs)
 
-    monkeypatch.setattr(EvictionCache, "_evict", spy)
+    monkeypatch.setattr(EvictionLayer, "evict", spy)
     cache = EvictionCache(model, budget=48, policy="caote-ahead", block_size=32)
+    index_of = cache.layers.index
     with cache, torch.no_grad():
         for start in (0, 32):
             model(input_ids=ids[:, start : start + 32], cache=cache, use_cache=True)

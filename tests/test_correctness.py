@@ -4,10 +4,12 @@ import pytest
 import torch
 from conftest import greedy, random_ids, tiny_model
 
-import caote.cache
+import caote.layer
+import caote.policies
 from caote import EvictionCache, policy_names
-from caote.cache import validate_settings
+from caote.history import RecentRows
 from caote.policies import parse_policy
+from caote.settings import CacheSettings
 
 BLOCK = 32
 
@@ -133,12 +135,12 @@ def test_tova_layer_averages_the_newest_query_over_all_heads_and_evicts_the_same
     generator = torch.Generator().manual_seed(0)
     rows = torch.softmax(torch.randn(1, 4, 1, 10, generator=generator), -1)
     keys = torch.zeros(1, 2, 10, 8)
-    inputs = caote.cache.ScoreInputs(
+    inputs = caote.policies.ScoreInputs(
         keys=keys,
         values=keys,
         positions=torch.arange(10).expand(1, 2, 10),
         real=torch.ones(1, 2, 10, dtype=bool),
-        recent_rows=rows,
+        history=rows,
     )
     scores = parse_policy("tova-layer").scores(inputs)
     expected = rows[:, :, -1].mean(1, keepdim=True).expand(1, 2, 10)
@@ -170,7 +172,7 @@ def test_bf16_eager_and_sdpa_keep_the_same_tokens_given_the_same_inputs(policy):
 
 def held_tensors(cache):
     for layer in cache.layers:
-        for name in ("keys", "values", "positions", "accumulated", "recent_rows"):
+        for name in ("keys", "values", "positions", "history"):
             tensor = getattr(layer, name)
             if isinstance(tensor, torch.Tensor):
                 yield name, tensor
@@ -196,9 +198,9 @@ def test_the_last_mask_is_not_kept_alive_and_reset_forgets_it():
     cache = EvictionCache(model, budget=40, policy="tova", block_size=BLOCK)
     ids = torch.cat([random_ids(70, seed=15), torch.cat([torch.zeros(1, 6, dtype=torch.long), random_ids(64)], 1)])
     greedy(model, ids, cache, attention_mask=(ids != 0).long(), new_tokens=6)
-    assert cache._mask_seen is None or cache._mask_seen[0]() is None
+    assert cache._shared.mask_seen is None or cache._shared.mask_seen[0]() is None
     cache.reset()
-    assert cache._mask_seen is None
+    assert cache._shared.mask_seen is None
 
 
 def test_the_peak_is_tracked_with_a_running_total_not_a_sum_over_layers_per_call(monkeypatch):
@@ -223,13 +225,13 @@ def test_the_peak_is_tracked_with_a_running_total_not_a_sum_over_layers_per_call
 def test_attention_rows_are_computed_only_when_the_policy_will_read_them(monkeypatch, policy, window):
     model = tiny_model("llama")
     computed = []
-    original = caote.cache.attention_probabilities
+    original = caote.layer.attention_probabilities
 
     def counting(module, queries, keys, *args):
         computed.append((queries.shape[-2], keys.shape[-2]))
         return original(module, queries, keys, *args)
 
-    monkeypatch.setattr(caote.cache, "attention_probabilities", counting)
+    monkeypatch.setattr(caote.layer, "attention_probabilities", counting)
     budget = 200
     cache = EvictionCache(model, budget=budget, policy=policy, block_size=BLOCK)
     greedy(model, random_ids(100, seed=17), cache, new_tokens=40)  # 139 tokens at most: never near the budget
@@ -248,7 +250,7 @@ def test_rows_resume_in_time_for_the_next_eviction_so_the_kept_set_is_unchanged(
     kept = []
     for always in (False, True):
         if always:
-            monkeypatch.setattr(EvictionCache, "_rows_needed", lambda self, layer: True)
+            monkeypatch.setattr(RecentRows, "rows", lambda self, new, retained, budget: min(self.window, new))
         cache = EvictionCache(model, budget=96, policy=policy, block_size=BLOCK, decode_eviction_interval=interval)
         kept.append((greedy(model, ids, cache, new_tokens=60), [layer.positions for layer in cache.layers]))
     assert torch.equal(kept[0][0], kept[1][0])
@@ -256,6 +258,7 @@ def test_rows_resume_in_time_for_the_next_eviction_so_the_kept_set_is_unchanged(
         assert torch.equal(first, second)
 
 
-def test_validate_settings_reads_the_window_from_the_policy():
-    assert validate_settings(parse_policy("snapkv"), 100, 32, 4, None, "rss") == 32
-    assert validate_settings(parse_policy("h2o"), 100, 32, 4, None, "rss") == 50
+def test_the_settings_read_the_window_from_the_policy():
+    assert CacheSettings(budget=100, policy="snapkv").recent == 32
+    assert CacheSettings(budget=100, policy="h2o").recent == 50
+    assert CacheSettings(budget=100, policy="h2o").replace(budget=200).recent == 100  # the share follows the budget

@@ -106,7 +106,7 @@ def test_half_precision_models_run_end_to_end_within_budget(family, dtype):
     assert out.shape[-1] == 128
     layer = next(layer for layer in cache.layers if isinstance(layer, EvictionLayer))
     assert layer.keys.dtype == dtype and layer.keys.shape[-2] == 48
-    assert layer.recent_rows.dtype == torch.float32  # the scores' probabilities stay float32
+    assert layer.history.dtype == torch.float32  # the scores' probabilities stay float32
 
 
 def test_a_model_without_an_eviction_cache_runs_as_before_and_the_cache_leaves_it_as_it_found_it():

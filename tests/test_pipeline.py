@@ -103,7 +103,7 @@ def test_snapshot_restore_round_trip():
         model(input_ids=random_ids(60), cache=cache, use_cache=True)
         snapshot = cache.snapshot()
         before = [
-            (layer.keys.clone(), layer.positions.clone(), layer.accumulated.clone(), layer.cumulative_length)
+            (layer.keys.clone(), layer.positions.clone(), layer.history.clone(), layer.cumulative_length)
             for layer in cache.layers
         ]
         model(input_ids=random_ids(10, seed=1), cache=cache, use_cache=True)
@@ -112,7 +112,7 @@ def test_snapshot_restore_round_trip():
         assert cache.get_seq_length() == 60
         for layer, (keys, positions, accumulated, length) in zip(cache.layers, before):
             assert torch.equal(layer.keys, keys) and torch.equal(layer.positions, positions)
-            assert torch.equal(layer.accumulated, accumulated) and layer.cumulative_length == length
+            assert torch.equal(layer.history, accumulated) and layer.cumulative_length == length
         # the restored state is a copy: running on does not touch the snapshot, which can be restored again
         logits_a = model(input_ids=random_ids(5, seed=2), cache=cache, use_cache=True).logits
         cache.restore(snapshot)

@@ -151,7 +151,7 @@ def test_a_policy_name_can_fix_its_gqa_aggregation(llama):
     for bad in ("tova/mean", "tova+caote/avg", "full/mean"):
         with pytest.raises(ValueError, match="value-aware policy"):
             parse_policy(bad)
-    assert EvictionCache(llama, budget=40, policy="h2o+caote/mean").gqa == "mean"
+    assert EvictionCache(llama, budget=40, policy="h2o+caote/mean").settings.aggregation == "mean"
     ids = random_ids(160, seed=6)
     rows = {
         r["policy"]: r

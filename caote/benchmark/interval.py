@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from caote.cache import EvictionCache
 from caote.defaults import DEFAULT_BLOCK_SIZE
+from caote.settings import CacheSettings
 
 
 def decode_kl(model, input_ids: torch.Tensor, policy: str, budget: int, prompt_tokens: int, interval: int) -> dict:
@@ -26,9 +27,7 @@ def decode_kl(model, input_ids: torch.Tensor, policy: str, budget: int, prompt_t
     token) of those one-token steps' next-token distributions from the full cache's, and the steps per second."""
     with torch.no_grad():
         full = model(input_ids=input_ids).logits[0].float().log_softmax(-1)
-        cache = EvictionCache(
-            model, budget=budget, policy=policy, block_size=DEFAULT_BLOCK_SIZE, decode_eviction_interval=interval
-        )
+        cache = EvictionCache(model, CacheSettings(budget=budget, policy=policy, decode_eviction_interval=interval))
         with cache:
             for start in range(0, prompt_tokens, DEFAULT_BLOCK_SIZE):
                 stop = min(start + DEFAULT_BLOCK_SIZE, prompt_tokens)

@@ -17,6 +17,7 @@ from caote.benchmark.config import FULL_AT_BUDGET, FULL_BLOCKS, FULL_SDPA
 from caote.benchmark.inputs import allow_positions, load_benchmark_model
 from caote.benchmark.memory import cache_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes, weight_bytes
 from caote.cache import EvictionCache
+from caote.settings import CacheSettings
 
 _MODELS: dict[tuple[str, int], tuple] = {}
 
@@ -41,10 +42,10 @@ def configuration_cache(model, configuration: str, ids, budget: int, block: int,
         return DynamicCache(), ids, ids.shape[1]
     if configuration == FULL_BLOCKS:
         return DynamicCache(), ids, block
-    cache = EvictionCache(
-        model, budget=budget, policy=configuration, block_size=block, decode_eviction_interval=decode_eviction_interval
+    settings = CacheSettings(
+        budget=budget, policy=configuration, block_size=block, decode_eviction_interval=decode_eviction_interval
     )
-    return cache, ids, block
+    return EvictionCache(model, settings), ids, block
 
 
 def run_sample(configuration: str, ids, settings: dict) -> dict:

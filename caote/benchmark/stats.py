@@ -188,7 +188,7 @@ def _cost_reference(name: str) -> tuple[str | None, float]:
     base, _, transform = name.partition("+")
     if transform:
         return base, TRANSFORM_OVERHEAD_LIMIT
-    paper_base = parse_policy(name).base.paper_base
+    paper_base = parse_policy(name).base.about.paper_base
     return (f"{paper_base}+caote", BEYOND_OVERHEAD_LIMIT) if paper_base else (None, BEYOND_OVERHEAD_LIMIT)
 
 

@@ -57,7 +57,7 @@ def beyond_records(rows: dict[str, list[dict]], policies: list[str], budgets: li
                 record["unbeaten"] = unbeaten
                 at = {name: cell for (name, b), cell in kl.items() if b == budget and cell}
                 record["gap_closed"] = gap_closed(at, policy, best, -1.0)
-                base = parse_policy(policy).base.paper_base
+                base = parse_policy(policy).base.about.paper_base
                 own = _best(kl, budget, -1.0, [name for name in PAPER_POLICIES if name.split("+")[0] == base])
                 if own:
                     record["base_variant"] = own

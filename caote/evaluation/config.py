@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from caote.arguments import parse_int, parse_int_list
-from caote.cache import DEFAULT_BLOCK_SIZE
+from caote.defaults import DEFAULT_BLOCK_SIZE
 from caote.evaluation.examples import PROTOCOLS
 from caote.evaluation.registry import BENCHMARKS, REPORT, TASKS
-from caote.generation import check_settings
 from caote.policies import expand_policies, hindsight_policies, parse_policy
+from caote.settings import CacheSettings
 
 SPLITS = ("dev", "test")
 DEFAULT_POLICIES = "paper"  # when --policies is not given (report: the grid's own, if it has some)
@@ -64,7 +64,7 @@ def check_budgets(policies: list[str], budgets: list[int], block_size: int = DEF
             continue
         for budget in budgets:
             try:
-                check_settings(budget=budget, policy=name, block_size=block_size)
+                CacheSettings(budget=budget, policy=name, block_size=block_size)
             except ValueError as error:
                 raise ValueError(f"--budgets: {budget} is too small for {name} ({error})") from None
 

@@ -26,19 +26,36 @@ import torch
 import torch.nn.functional as F
 
 from caote.attention import attention_probabilities
-from caote.cache import DEFAULT_BLOCK_SIZE, CacheSnapshot, EvictionCache, EvictionLayer
+from caote.cache import CacheSnapshot, EvictionCache
+from caote.defaults import DEFAULT_BLOCK_SIZE
 from caote.evaluation.fidelity import AttentionCapture, FidelityMeter, measured
-from caote.evaluation.reference import FULL, cache_budget
+from caote.evaluation.reference import FULL, UNBOUNDED
 from caote.future import FutureAttention
+from caote.layer import EvictionLayer
 from caote.policies import hindsight_policies, parse_policy
 from caote.scoring import group_query_heads
+from caote.settings import CacheSettings
+
+# evaluation follows the paper: every decoded token evicts one (the rows do not depend on the library's default)
+EVAL_DECODE_EVICTION_INTERVAL = 1
+
+
+def cell_settings(policy: str, budget: int | None, block_size: int = DEFAULT_BLOCK_SIZE) -> CacheSettings:
+    """The cache settings of one policy x budget cell, for texts and examples alike: `UNBOUNDED` for the reference
+    (``None``), the paper's one token evicted per decode step, the library's defaults otherwise."""
+    return CacheSettings(
+        budget=UNBOUNDED if budget is None else budget,
+        policy=policy,
+        block_size=block_size,
+        decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
+    )
 
 
 class _ReferenceCache(EvictionCache):
     """The full cache, which also records the attention every block's queries give each token (`FutureAttention`)."""
 
     def __init__(self, model, block_size: int, future: FutureAttention | None):
-        super().__init__(model, budget=cache_budget(None), policy=FULL, block_size=block_size)
+        super().__init__(model, cell_settings(FULL, None, block_size))
         self.future_attention = future
 
     def after_attention(self, module, queries, keys, values, attention_mask, kwargs) -> None:
@@ -135,7 +152,7 @@ def skippable_blocks(policy: str, budget: int | None, block_size: int, tokens: i
     first = budget // block_size  # block k is the first to overflow the budget when (k + 1) * block_size > budget
     if first >= blocks:
         return blocks
-    if base.query_rows == "all" or base.query_window > min(block_size, tokens - first * block_size):
+    if base.history is not None and base.history.carries_over(min(block_size, tokens - first * block_size)):
         return 0
     return first
 
@@ -170,11 +187,8 @@ def track(
     began = time.perf_counter()
     with ExitStack() as stack, torch.no_grad():
         cache = stack.enter_context(
-            EvictionCache(
-                model, budget=cache_budget(budget), policy=policy, block_size=reference.block_size,
-                future=reference.future,
-            )
-        )  # fmt: skip
+            EvictionCache(model, cell_settings(policy, budget, reference.block_size), future=reference.future)
+        )
         capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
         tally = _Tally(FidelityMeter(len(capture.modules)) if capture is not None else None)
         if 0 < skipped < len(blocks):

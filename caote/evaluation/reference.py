@@ -10,11 +10,6 @@ FULL = "full"
 UNBOUNDED = 1 << 40
 
 
-def cache_budget(budget: int | None) -> int:
-    """The budget an `EvictionCache` gets for a cell: `UNBOUNDED` for the reference (``None``)."""
-    return UNBOUNDED if budget is None else budget
-
-
 def with_reference(policies: list[str]) -> list[str]:
     """The policies to run: `FULL` first (the reference), then the rest in the given order."""
     return [FULL] + [policy for policy in policies if policy != FULL]

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from caote.cache import DEFAULT_BLOCK_SIZE
+from caote.defaults import DEFAULT_BLOCK_SIZE
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.data import prompt_text
 from caote.evaluation.examples import PROTOCOLS, Example
-from caote.evaluation.lockstep import lockstep_results
+from caote.evaluation.lockstep import cell_settings, lockstep_results
 from caote.evaluation.metrics import score_example
-from caote.evaluation.reference import FULL, cache_budget, with_reference
+from caote.evaluation.reference import FULL, with_reference
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import RowStore, code_commit, row_key
 from caote.evaluation.tasks import Text
@@ -74,10 +74,6 @@ def run_rows(config: EvalConfig, model, tokenizer, rank: int = 0, world: int = 1
 # -- examples tasks --------------------------------------------------------------------------------------------------
 
 
-# evaluation follows the paper: every decoded token evicts one (the rows do not depend on the library's default)
-EVAL_DECODE_EVICTION_INTERVAL = 1
-
-
 def prompt_ids(tokenizer, example: Example) -> torch.Tensor:
     """``(1, T)`` ids of `caote.evaluation.data.prompt_text`: the chat template with the assistant turn opened, then
     ``answer_prefix``; with ``meta["raw_prompt"]`` true the message contents as they are (no template)."""
@@ -97,14 +93,7 @@ def answer(
     """Greedy answer under ``policy`` at ``budget`` (block-wise prefill); returns the text and cache statistics."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     new_ids, stats = generate_ids(
-        model,
-        input_ids,
-        cache_budget(budget),
-        policy,
-        max_new_tokens,
-        block_size,
-        pad_token_id=pad,
-        decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
+        model, input_ids, cell_settings(policy, budget, block_size), max_new_tokens, pad_token_id=pad
     )
     return tokenizer.decode(new_ids, skip_special_tokens=True), {
         "new_tokens": len(new_ids),
@@ -124,13 +113,10 @@ def answer_after_context(
         question=example.question,
         answer_prefix=example.answer_prefix,
         chat=False if example.meta.get("raw_prompt") else None,
-        budget=cache_budget(budget),
-        policy=policy,
-        block_size=block_size,
+        settings=cell_settings(policy, budget, block_size),
         max_new_tokens=max_new_tokens,
         compress=PROTOCOLS[example.protocol],
         return_stats=True,
-        decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
     )
     stats = output["stats"][-1]
     return output["answer"], {"tokens_kept": stats.tokens_kept, "peak_kv_bytes": stats.peak_kv_bytes}

@@ -1,0 +1,125 @@
+"""`CacheSettings`: every setting of an `EvictionCache` in one frozen value, validated once where it is built.
+
+Every entry point (``caote.generate``, the pipeline, ``caote generate``, the evaluation, the benchmark) builds one
+and hands it on as it is; nothing downstream validates again. Each default is written once, in `caote.defaults`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass, field
+
+from caote.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_BUDGET,
+    DEFAULT_DECODE_EVICTION_INTERVAL,
+    DEFAULT_GQA,
+    DEFAULT_POLICY,
+    DEFAULT_SEED,
+    DEFAULT_SINK_TOKENS,
+)
+from caote.policies import Policy, parse_policy
+from caote.scoring import GQA_AGGREGATIONS
+
+SEED_LIMIT = 2**63 - 1  # the largest seed torch.Generator.manual_seed takes
+
+
+def integer(name: str, value, low: int, high: int | None = None) -> int:
+    """``value`` as an int when it is integer-like (``int``, ``numpy.int64``, ...; not ``bool``, not ``1.0``) and in
+    ``[low, high]``; else a one-line `ValueError` naming the setting and what is allowed."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < low or (high is not None and number > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """How an `EvictionCache` evicts (see its docstring for each field).
+
+    ``policy`` may be given as a name; it is stored parsed (`caote.policies.Policy`). ``recent_window`` None means
+    the policy's own window; ``recent`` is the window in effect (H2O: half the budget). ``gqa`` is overridden by a
+    policy name ending in ``/<gqa>``; ``aggregation`` is the one in effect. ``seed`` None means the default.
+    """
+
+    budget: int = DEFAULT_BUDGET
+    policy: Policy | str = DEFAULT_POLICY
+    block_size: int = DEFAULT_BLOCK_SIZE
+    sink_tokens: int = DEFAULT_SINK_TOKENS
+    recent_window: int | None = None
+    gqa: str = DEFAULT_GQA
+    decode_eviction_interval: int = DEFAULT_DECODE_EVICTION_INTERVAL
+    seed: int | None = DEFAULT_SEED
+    recent: int = field(init=False, repr=False)
+    aggregation: str = field(init=False, repr=False)
+
+    def __post_init__(self):
+        policy = self.policy if isinstance(self.policy, Policy) else parse_policy(self.policy)
+        values = {
+            "policy": policy,
+            "budget": integer("budget", self.budget, 1),
+            "block_size": integer("block_size", self.block_size, 1),
+            "sink_tokens": integer("sink_tokens", self.sink_tokens, 0),
+            "recent_window": None if self.recent_window is None else integer("recent_window", self.recent_window, 0),
+            "decode_eviction_interval": integer("decode_eviction_interval", self.decode_eviction_interval, 1),
+            "seed": DEFAULT_SEED if self.seed is None else integer("seed", self.seed, 0, SEED_LIMIT),
+        }
+        if self.gqa not in GQA_AGGREGATIONS:
+            raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {self.gqa!r}")
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "aggregation", policy.gqa or self.gqa)
+        object.__setattr__(self, "recent", self._check_room(policy))
+
+    def _check_room(self, policy: Policy) -> int:
+        """The recent window in effect; refuses a budget that leaves an evicting policy nothing to choose from."""
+        if not policy.evicts:  # the full cache never evicts: any budget serves it
+            return 0 if self.recent_window is None else self.recent_window
+        recent = self.recent_window
+        if recent is None:
+            default = policy.base.recent_window
+            recent = int(default * self.budget) if isinstance(default, float) else default
+        protected = f"sink_tokens + recent_window = {self.sink_tokens} + {recent}"
+        if self.budget <= self.sink_tokens + recent:
+            raise ValueError(f"budget {self.budget} leaves no room to choose: it must exceed {protected}")
+        if self.budget - self.decode_eviction_interval + 1 <= self.sink_tokens + recent:
+            raise ValueError(
+                f"decode_eviction_interval {self.decode_eviction_interval} is too large for budget {self.budget}: "
+                f"budget - interval + 1 must exceed {protected}"
+            )
+        return recent
+
+    @classmethod
+    def of(cls, settings: CacheSettings | None = None, **values) -> CacheSettings:
+        """``settings`` as given, or new settings from keyword ``values`` (unknown names refused in one line); both
+        at once is an error, since it would be unclear which wins."""
+        unknown = sorted(set(values) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"unknown cache setting(s) {', '.join(unknown)}; the settings are {', '.join(FIELDS)}")
+        if settings is None:
+            return cls(**values)
+        if not isinstance(settings, CacheSettings):
+            raise ValueError(f"settings must be a CacheSettings, got {type(settings).__name__}")
+        if values:
+            raise ValueError(
+                f"give either settings= or the separate setting(s) {', '.join(sorted(values))}, not both "
+                "(use settings.replace(...) to change a few)"
+            )
+        return settings
+
+    def replace(self, **changes) -> CacheSettings:
+        """A copy with ``changes`` applied and validated (the policy's recent window follows a new budget)."""
+        return dataclasses.replace(self, **changes)
+
+    def kept_after(self, new_tokens: int) -> int:
+        """How many tokens a layer keeps when a forward of ``new_tokens`` overflows the budget: ``budget`` after a
+        prompt block, ``budget - interval + 1`` after a decode step (so scoring runs every ``interval`` steps)."""
+        return self.budget if new_tokens > 1 else self.budget - self.decode_eviction_interval + 1
+
+
+FIELDS = tuple(item.name for item in dataclasses.fields(CacheSettings) if item.init)

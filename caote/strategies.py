@@ -1,0 +1,124 @@
+"""When a layer is evicted, and with which extra score inputs: one small strategy per schedule, chosen once when a
+cache is built (a `BaseScore` names its own; `caote.policies`).
+
+* `Immediate`: right after the layer's attention, whenever it holds more than the budget (the paper's schedule).
+* `Hindsight`: the same, with the attention each token will receive from later queries (the ``oracle``).
+* `LookAhead`: a prompt block's eviction waits for the end of the forward, when the model drafts a few tokens
+  greedily through the same cache; their queries join the block's rows (``caote-ahead``).
+
+A strategy works on the layers a cache hands it (`caote.layer.EvictionLayer`) and on the cache's random generator.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from caote.attention import attention_probabilities
+from caote.future import FutureAttention
+from caote.lookahead import draft
+
+
+class Immediate:
+    """Evict a layer as soon as its attention has run and it holds more than the budget."""
+
+    def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
+        self.settings = settings
+
+    def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
+        """Record the rows the base reads, then evict if the layer overflows: to ``budget`` after a prompt block,
+        ``budget - interval + 1`` after a decode step."""
+        layer.record(module, queries, mask, kwargs, real)
+        if layer.retained > self.settings.budget:
+            kept = self.settings.kept_after(layer.new_tokens)
+            layer.evict(kept, cache.random_generator, **self.inputs(index, layer))
+
+    def inputs(self, index: int, layer) -> dict:
+        """Extra `caote.policies.ScoreInputs` fields of an eviction: none."""
+        return {}
+
+    def after_forward(self, cache, model: nn.Module, output, kwargs: dict) -> list[int]:
+        """Nothing waits for the end of a forward: no layer evicted here."""
+        return []
+
+
+class Hindsight(Immediate):
+    """Evict with the attention each token receives from all later queries (`caote.future.FutureAttention`),
+    recorded by a full-cache pass over the same teacher-forced text: a ceiling no generation can reach."""
+
+    def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
+        if future is None:
+            raise ValueError(
+                f"policy {settings.policy.name!r} is a hindsight ceiling: it needs the attention of later queries, "
+                "known only on a teacher-forced text (caote eval perplexity), so it cannot generate; pick a causal "
+                "policy"
+            )
+        super().__init__(settings)
+        self.future = future
+
+    def inputs(self, index: int, layer) -> dict:
+        return {"future": self.future.at(index, layer.cumulative_length, layer.positions)}
+
+
+class LookAhead(Immediate):
+    """A prompt block that overflows the budget waits, in every layer, for the end of its forward; then ``tokens``
+    greedy one-token forwards run through the same cache (`caote.lookahead.draft`), each draft query's row over the
+    tokens held before the draft is kept, the draft's keys and values are dropped, and every waiting layer is
+    evicted with those rows as ``ahead_rows``. Decode steps evict at once, as `Immediate`.
+
+    This is the one place a forward runs inside another: attention -> cache -> `after_forward` -> `draft` -> model
+    -> attention (docs/architecture.md)."""
+
+    def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False, *, tokens: int):
+        if sliding_layers:
+            raise ValueError(
+                f"policy {settings.policy.name!r} drafts tokens and drops them again, which sliding-window layers "
+                "cannot undo; pick caote-block for a model with sliding-window layers"
+            )
+        super().__init__(settings)
+        self.tokens = tokens
+        self._pending: dict[int, int] = {}  # layer -> tokens it held before the draft, awaiting eviction
+        self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
+        self._drafting = False
+
+    def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
+        if self._drafting:
+            self._record_draft(index, layer, module, queries, mask, kwargs, real)
+        elif layer.new_tokens > 1:
+            layer.record(module, queries, mask, kwargs, real)
+            if layer.retained > self.settings.budget:
+                self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's rows are seen
+        else:
+            super().after_attention(cache, index, layer, module, queries, mask, kwargs, real)
+
+    def _record_draft(self, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
+        """Keep a draft query's attention over the tokens a waiting layer held before the draft."""
+        tokens = self._pending.get(index)
+        if tokens is None:
+            return
+        row = attention_probabilities(module, queries[:, :, -1:], layer.keys, layer.values, mask, kwargs)
+        if real is not None:
+            row = row * real[:, -1:][:, None, :, None]
+        self._drafted.setdefault(index, []).append(row[..., :tokens])
+
+    def after_forward(self, cache, model: nn.Module, output, kwargs: dict) -> list[int]:
+        """Draft, drop the draft, evict every waiting layer; ``output`` is None when the forward raised (nothing is
+        drafted then). Returns the layers evicted."""
+        if not self._pending or self._drafting:
+            return []
+        if output is None:
+            self._pending = {}
+            return []
+        self._drafting = True
+        try:
+            draft(model, cache, output[0], kwargs, self.tokens)
+        finally:
+            self._drafting = False
+            pending, self._pending = self._pending, {}
+            drafted, self._drafted = self._drafted, {}
+        for index, tokens in pending.items():
+            layer = cache.layers[index]
+            layer.truncate(tokens)
+            ahead = torch.cat(drafted[index], dim=-2) if index in drafted else None
+            layer.evict(self.settings.budget, cache.random_generator, ahead_rows=ahead)
+        return list(pending)
