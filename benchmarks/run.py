@@ -1,6 +1,6 @@
 """Run the caote performance benchmark (same as ``caote bench``); see `caote.benchmark` and docs/performance.md.
 
-python benchmarks/run.py                       # the committed full run -> benchmarks/results/
+python benchmarks/run.py --out benchmarks/results  # the committed full run (default --out: results/bench/)
 python benchmarks/run.py --model tiny-llama --contexts 64,128 --budget 32 --block-size 16 --new-tokens 4
 """
 

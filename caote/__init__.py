@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it (imported on first attribute access, PEP 562)
 _LAZY = {
+    "CacheSettings": "caote.settings",
     "CacheSnapshot": "caote.cache",
     "CacheStats": "caote.cache",
     "EvictionCache": "caote.cache",

@@ -1,4 +1,5 @@
-"""Command-line values shared by every subcommand: the one `UsageError` and the integer parsers.
+"""Command-line values shared by every subcommand: the one `UsageError`, the parser class, the number parsers and
+the quieting of transformers' progress bars.
 
 Lower layers raise a plain `ValueError`; a subcommand's command-line module turns the ones that come from a bad
 argument into `UsageError`, which `caote.cli.main` reports in one line with exit code 2.
@@ -7,6 +8,7 @@ argument into `UsageError`, which `caote.cli.main` reports in one line with exit
 from __future__ import annotations
 
 import argparse
+import math
 
 
 class UsageError(ValueError):
@@ -15,8 +17,12 @@ class UsageError(ValueError):
 
 class Parser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose errors are one line on stderr, ``PROG: error: MESSAGE``, exit code 2 (no
-    usage lines before it: ``--help`` shows them). Subcommand parsers inherit the class (``add_subparsers`` uses the
-    parent's class), so one instance at the top covers every subcommand."""
+    usage lines before it: ``--help`` shows them), and which takes no abbreviated option (``--budge`` is not
+    ``--budget``). Subcommand parsers inherit the class (``add_subparsers`` uses the parent's class), so one instance
+    at the top covers every subcommand."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -52,6 +58,39 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        return parse_int(text, minimum=0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+
+
+def temperature(text: str) -> float:
+    """argparse type: a finite number >= 0 (a sampling temperature; 0 means greedy decoding)."""
+    value = _number(text)
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in (0, 1] (a nucleus sampling mass)."""
+    value = _number(text)
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def _number(text: str) -> float | None:
+    """``text`` as a finite float, or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 def int_tuple(text: str) -> tuple[int, ...]:
     """argparse type: comma-separated integers (repeats kept: ``--repeats 2,2,1`` means one value per context)."""
     try:
@@ -73,3 +112,12 @@ def memory_limits(text: str) -> dict:
     if not limits:
         raise argparse.ArgumentTypeError(f"no DEVICE=SIZE item in {text!r}")
     return limits
+
+
+def hide_loading_bars() -> None:
+    """Hide transformers' (and the hub's) progress bars, "Loading weights" among them, so that stderr keeps errors and
+    what was asked for. Every subcommand that loads a model calls it after its own torch-free checks."""
+    # start-up: transformers costs about a second, which parsing and argument errors do not pay
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()

@@ -1,21 +1,30 @@
 """Reading attention out of any Hugging Face decoder through transformers' public `AttentionInterface`.
 
 Every modern decoder family computes its final queries (QK-norm, RoPE, its own scaling) and then calls
-``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)``. For the length of
-each forward given an `EvictionCache`, the model runs under the implementation ``caote_sdpa`` or ``caote_eager``,
-registered here (with the matching mask functions): the model's own kernel (sdpa, or the family's eager function)
-computes the attention output unchanged, then the cache receives the call's queries, keys, values and mask and
-evicts. The probabilities the scores need are the family's own eager attention applied to just the needed query
-rows, in float32, so soft-capping, scaling and query norms are the family's own: there is no per-family code.
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)``. While any
+`EvictionCache` of a model is alive, the model's configs name caote's dispatcher for the backend they had:
+``caote_sdpa`` over sdpa, ``caote_eager`` over eager (so ``model.config._attn_implementation`` reads that name;
+the backend name returns when the last cache of the model is closed or garbage-collected). Each dispatcher is
+registered here with its backend's own mask function, and its attention function always runs the backend's own
+kernel (sdpa, or the family's eager function): a forward given no `EvictionCache` gets the masks and outputs it
+gets without caote, bit for bit. In a forward given an `EvictionCache` the cache then receives the call's queries,
+keys, values and mask and evicts. The probabilities the scores need are the family's own eager attention applied
+to just the needed query rows, in float32, so soft-capping, scaling and query norms are the family's own: there is
+no per-family code.
 
-The channel from a forward to its cache is `ActiveForward`, held in a context variable for that forward only; the
-implementation the model had is restored when the forward ends (also when it raises).
+The channel from a forward to its cache is `ActiveForward`, held in a context variable for that forward only, so
+each thread (each context) sees only its own forward's cache: several threads, each with its own cache, and plain
+forwards beside them can share one model. The dispatcher is installed once per model config, counted over the live
+caches of the model and removed with the last one, under a lock.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 import weakref
+from collections import Counter
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -30,8 +39,11 @@ from caote.families import SUPPORTED_MODEL_TYPES
 
 # Backends the cache wraps; other implementations (flash, flex, paged) hand masks the cache cannot read exactly.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
-# The implementation names a cache's forwards run under, with the mask function each needs (the wrapped backend's).
-CAOTE_MASKS = {"caote_sdpa": sdpa_mask, "caote_eager": eager_mask}
+# Each backend's mask function, which its dispatcher registers too: a dispatched forward gets the backend's masks.
+BACKEND_MASKS = {"sdpa": sdpa_mask, "eager": eager_mask}
+# The implementation name a model carries over each backend while a cache of it is alive, and back.
+DISPATCHERS = {backend: f"caote_{backend}" for backend in SUPPORTED_ATTENTION}
+DISPATCHED_BACKENDS = {dispatcher: backend for backend, dispatcher in DISPATCHERS.items()}
 
 
 class AttentionObserver(Protocol):
@@ -50,7 +62,7 @@ class ActiveForward:
     """The forward running now under an `EvictionCache`: where the attention calls of its layers report."""
 
     cache: AttentionObserver
-    implementation: str  # "sdpa" or "eager": the kernel the model had
+    outer: ActiveForward | None  # the forward this one runs inside, if any: active again when this one ends
 
 
 _ACTIVE: ContextVar[ActiveForward | None] = ContextVar("caote_active_forward", default=None)
@@ -69,20 +81,63 @@ def family_eager_attention(module: nn.Module) -> Callable:
     return eager
 
 
-def caote_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    """The registered attention function: the model's own kernel, then the cache scores and evicts this layer."""
-    active = _ACTIVE.get()
-    if active is None:
-        raise RuntimeError("caote attention ran outside a forward given an EvictionCache")
-    kernel = family_eager_attention(module) if active.implementation == "eager" else ALL_ATTENTION_FUNCTIONS["sdpa"]
+def caote_attention(backend: str, module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """The attention function of ``backend``'s dispatcher: the backend's own kernel, then, in a forward given an
+    `EvictionCache` (in this thread), the cache scores and evicts this layer."""
+    kernel = family_eager_attention(module) if backend == "eager" else ALL_ATTENTION_FUNCTIONS["sdpa"]
     output = kernel(module, query, key, value, attention_mask, **kwargs)
-    active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
+    active = _ACTIVE.get()
+    if active is not None:
+        active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
     return output
 
 
-for _name, _mask in CAOTE_MASKS.items():
-    AttentionInterface.register(_name, caote_attention)
-    AttentionMaskInterface.register(_name, _mask)
+for _backend, _dispatcher in DISPATCHERS.items():
+    AttentionInterface.register(_dispatcher, functools.partial(caote_attention, _backend))
+    AttentionMaskInterface.register(_dispatcher, BACKEND_MASKS[_backend])
+
+
+def name_implementation(config, name: str) -> None:
+    """Set ``config``'s own implementation name, leaving its sub-configs' as they are (each is held on its own)."""
+    config._attn_implementation = {"": name}
+
+
+class DispatcherHolds:
+    """How many live `ForwardSwitch`es hold each model config under caote's dispatcher: the first hold installs the
+    dispatcher over the config's backend, the last restores the backend's name (unless another name was set over
+    the dispatcher meanwhile). One lock guards every change; it is re-entrant because a garbage collection in this
+    thread may finalize a cache, which releases its hold, while the lock is held."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._configs: dict[int, Any] = {}  # the held configs by id (configs compare by value, so are unhashable)
+        self._holds: Counter[int] = Counter()
+
+    def acquire(self, configs: list) -> None:
+        with self._lock:
+            for config in configs:
+                self._configs[id(config)] = config
+                self._holds[id(config)] += 1
+            self.install(configs)
+
+    def install(self, configs: list) -> None:
+        """Name the dispatcher of each config's backend (a config naming an unsupported one is left to the check)."""
+        with self._lock:
+            for config in configs:
+                if config._attn_implementation in DISPATCHERS:
+                    name_implementation(config, DISPATCHERS[config._attn_implementation])
+
+    def release(self, configs: list) -> None:
+        with self._lock:
+            for config in configs:
+                self._holds[id(config)] -= 1
+                if self._holds[id(config)] == 0:
+                    del self._holds[id(config)], self._configs[id(config)]
+                    if config._attn_implementation in DISPATCHED_BACKENDS:
+                        name_implementation(config, DISPATCHED_BACKENDS[config._attn_implementation])
+
+
+_HOLDS = DispatcherHolds()
 
 
 def attention_probabilities(
@@ -119,16 +174,16 @@ def attention_probabilities(
 
 
 class ForwardSwitch:
-    """Hooks on a model's decoder that, for each forward given ``cache``, switch the model to the caote attention
-    implementation and open the `ActiveForward` channel; the implementation the model had and the channel are
-    restored when the forward ends, also when it raises. Forwards given any other cache pass untouched.
+    """A cache's hold on its model's dispatcher (`DispatcherHolds`), and hooks on the model's decoder that, for each
+    forward given ``cache``, open the `ActiveForward` channel of the calling thread; the channel closes when the
+    forward ends, also when it raises. Forwards given any other cache, or none, pass untouched.
 
-    The hooks hold the cache weakly and are removed by `remove`, or when the cache is garbage-collected."""
+    The hooks hold the cache weakly; `remove`, or the cache's garbage collection, takes them off the model and
+    releases the hold."""
 
     def __init__(self, model: nn.Module, cache):
         self._model = model
         self._cache = weakref.ref(cache)
-        self._restore: list[tuple[str, Any]] = []
         # the configs that name the implementation: the model's and its sub-models' (a decoder shares the model's)
         self._configs = list(
             {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}.values()
@@ -138,44 +193,47 @@ class ForwardSwitch:
             decoder.register_forward_pre_hook(self._enter, with_kwargs=True),
             decoder.register_forward_hook(self._exit, with_kwargs=True, always_call=True),
         ]
-        self._finalizer = weakref.finalize(cache, ForwardSwitch._remove_handles, handles)
+        _HOLDS.acquire(self._configs)
+        self._finalizer = weakref.finalize(cache, ForwardSwitch._release, handles, self._configs)
 
     @property
     def installed(self) -> bool:
         return self._finalizer.alive
 
     def remove(self) -> None:
-        """Take the hooks off the model (idempotent)."""
+        """Take the hooks off the model and release the hold (idempotent)."""
         self._finalizer()
 
     @staticmethod
-    def _remove_handles(handles) -> None:
+    def _release(handles, configs: list) -> None:
         for handle in handles:
             handle.remove()
+        _HOLDS.release(configs)
 
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # torch adds a hook before marking it as taking keyword arguments and removes it before the mark, so a forward
+    # of another thread racing this cache's construction or `remove` may call a hook without them: never a forward
+    # given this cache (not in use yet, or no longer), so the hooks ignore such a call.
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+        if kwargs is None:  # called without the forward's keyword arguments: see above
+            return
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is None or cache is not self._cache():
             return
-        implementation = self._model.config._attn_implementation
         check_attention_implementation(self._model)
-        token = _ACTIVE.set(ActiveForward(cache, implementation))
-        self._restore.append((implementation, token))
-        self._set_implementation(f"caote_{implementation}")
+        if self._model.config._attn_implementation not in DISPATCHED_BACKENDS:  # a backend named over the dispatcher
+            _HOLDS.install(self._configs)
+        _ACTIVE.set(ActiveForward(cache, _ACTIVE.get()))
 
-    def _set_implementation(self, name: str) -> None:
-        """Switch every config of the model to ``name``: what ``model.set_attn_implementation`` ends in, without its
-        checks and its walk over every module (about 1.5 ms per forward, twice per forward)."""
-        for config in self._configs:
-            config._attn_implementation = name
-
-    def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if not self._restore or cache is None or cache is not self._cache():
+    def _exit(self, module: nn.Module, args: tuple, *kwargs_and_output) -> None:
+        if len(kwargs_and_output) != 2:  # called without the forward's keyword arguments: see above
             return
-        implementation, token = self._restore.pop()
-        self._set_implementation(implementation)
-        _ACTIVE.reset(token)
+        kwargs, output = kwargs_and_output
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        active = _ACTIVE.get()
+        if active is None or active.cache is not cache or cache is not self._cache():
+            return
+        _ACTIVE.set(active.outer)
         cache.after_forward(self._model, output, kwargs)
 
 
@@ -209,10 +267,17 @@ def sliding_windows(model: nn.Module) -> list[int | None]:
 
 def check_attention_implementation(model: nn.Module) -> None:
     """Refuse attention backends whose masks the cache cannot read exactly (flash attention gets a 2D mask, flex
-    attention a BlockMask), in one line naming the ones that work."""
-    implementation = getattr(model.config, "_attn_implementation", None)
+    attention a BlockMask), in one line naming the ones that work. Under caote's dispatcher, the backend it wraps
+    is checked."""
+    implementation = wrapped_implementation(model)
     if implementation not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"attention implementation {implementation!r} is not supported by caote; load the model with "
             f"attn_implementation={' or '.join(repr(name) for name in SUPPORTED_ATTENTION)}"
         )
+
+
+def wrapped_implementation(model: nn.Module) -> str | None:
+    """The model's attention implementation, seen through caote's dispatcher (``caote_sdpa`` -> ``sdpa``)."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    return DISPATCHED_BACKENDS.get(implementation, implementation)

@@ -27,6 +27,7 @@ from caote.attention import ForwardSwitch, active_forward, attention_modules, sl
 from caote.future import FutureAttention
 from caote.layer import EvictionLayer, layer_bytes
 from caote.settings import CacheSettings
+from caote.strategies import strategy_for
 
 logger = logging.getLogger(__name__)
 
@@ -142,12 +143,14 @@ class EvictionCache(Cache):
     ----------
     model:
         The model the cache serves (a supported family, sdpa or eager attention; see the README's family table).
-        The cache adds two hooks to its decoder, which switch it to caote's attention implementation for the
-        forwards given this cache only; `close` (or leaving a ``with EvictionCache(...) as cache:`` block, or
-        dropping the cache) removes them.
+        The cache adds two hooks to its decoder, which hand it the attention of the forwards given this cache only,
+        and keeps the model under caote's attention dispatcher (`caote.attention`); `close` (or leaving a ``with
+        EvictionCache(...) as cache:`` block, or dropping the cache) removes the hooks and, with the model's last
+        cache, the dispatcher.
     settings:
         A `caote.settings.CacheSettings`, or its fields below as keyword arguments (each default is in
-        `caote.defaults`); validated once, when built.
+        `caote.defaults`); validated once, when built. As before the settings object, the budget and the policy may
+        also come positionally: ``EvictionCache(model, 256, "h2o")``.
     budget:
         Tokens kept per full-attention layer (and per KV head) after each step (default 512). Sliding-window layers
         of hybrid models (Gemma-2/3, Cohere-2, ...) keep transformers' own sliding-window layer, bounded by its
@@ -182,17 +185,22 @@ class EvictionCache(Cache):
     def __init__(
         self,
         model: nn.Module,
-        settings: CacheSettings | None = None,
+        settings: CacheSettings | int | None = None,
+        policy: str | None = None,
         *,
         future: FutureAttention | None = None,
         **values,
     ):
+        if settings is not None and not isinstance(settings, CacheSettings):  # EvictionCache(model, 256, "h2o")
+            settings, values = None, {**values, "budget": settings}
+        if policy is not None:
+            values["policy"] = policy
         self.settings = CacheSettings.of(settings, **values)
         self.policy = self.settings.policy
         attention_modules(model)  # refuses an unsupported family or backend in one line
         windows = sliding_windows(model)
         self.strategy = (
-            self.policy.base.strategy(self.settings, future, any(window is not None for window in windows))
+            strategy_for(self.settings, future, any(window is not None for window in windows))
             if self.policy.evicts
             else None
         )
@@ -230,8 +238,8 @@ class EvictionCache(Cache):
         )
 
     def close(self) -> None:
-        """Remove the cache's hooks from the model (also done when the cache is garbage-collected). A closed cache
-        refuses further forwards."""
+        """Remove the cache's hooks from the model and release its dispatcher (also done when the cache is
+        garbage-collected). A closed cache refuses further forwards."""
         self._switch.remove()
 
     def __enter__(self) -> EvictionCache:

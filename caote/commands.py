@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 import tempfile
 from pathlib import Path
 
-from caote.arguments import UsageError, memory_limits, positive_int
-from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY
+from caote.arguments import (
+    UsageError,
+    hide_loading_bars,
+    memory_limits,
+    non_negative_int,
+    positive_int,
+    probability,
+    temperature,
+)
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY, DEFAULT_SEED
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DTYPES = ("float32", "bfloat16", "float16")
@@ -26,7 +35,8 @@ def add_parser(subparsers) -> None:
         help="answer a prompt with a bounded KV cache, streaming tokens to stdout",
         description=(
             "Answer a prompt while every layer keeps at most --budget KV tokens. The prompt comes from the PROMPT "
-            "argument, from --prompt-file, or from stdin with '-'. The answer streams to stdout as it is decoded."
+            "argument, from --prompt-file, or from stdin with '-'. The answer streams to stdout as it is decoded. "
+            "Decoding is greedy unless --temperature > 0 or --top-p is given."
         ),
     )
     generate.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
@@ -53,6 +63,24 @@ def add_parser(subparsers) -> None:
         type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help="prompt tokens per prefill block (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--temperature",
+        type=temperature,
+        metavar="T",
+        help="sample with this temperature; > 0 turns sampling on, 0 is greedy (default: greedy decoding)",
+    )
+    generate.add_argument(
+        "--top-p",
+        type=probability,
+        metavar="P",
+        help="nucleus sampling: draw from the likeliest tokens whose probabilities add up to P; turns sampling on",
+    )
+    generate.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=DEFAULT_SEED,
+        help="seed of the sampling and of the 'random' policy (default: %(default)s)",
     )
     generate.add_argument(
         "--chat",
@@ -140,27 +168,21 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, stdin=None) -> str
     return text
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and a rename: never a partial file. The
-    file ends with a newline and gets a new file's usual mode (0666 less the umask, e.g. 0644), not mkstemp's 0600."""
+    """Write ``text`` to ``path`` via a new temporary file in the same folder and a rename: never a partial file. The
+    file ends with a newline and gets a new file's usual mode (0666 less the umask, applied by the kernel)."""
     if not text.endswith("\n"):
         text += "\n"
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    temporary = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        os.chmod(temporary, 0o666 & ~_umask())
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
 
 
@@ -192,20 +214,43 @@ def check_model(name: str) -> None:
         raise UsageError(str(error)) from None
 
 
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The ``model.generate`` options of ``--temperature`` / ``--top-p``: sampling when the temperature is above 0 or
+    a top-p is given, else none (greedy decoding)."""
+    if args.temperature == 0 and args.top_p is not None:
+        raise UsageError("--top-p samples, but --temperature 0 asks for greedy decoding; drop one of them")
+    if not args.temperature and args.top_p is None:
+        return {}
+    options = {"temperature": args.temperature, "top_p": args.top_p}
+    return {"do_sample": True, **{name: value for name, value in options.items() if value is not None}}
+
+
+def check_settings(args: argparse.Namespace):
+    """The `CacheSettings` of the arguments; a `UsageError` for a bad one or a policy that cannot generate."""
+    # start-up: the settings import torch, which `caote --help` and argument errors do not need
+    from caote.settings import CacheSettings
+
+    try:
+        settings = CacheSettings(budget=args.budget, policy=args.policy, block_size=args.block_size, seed=args.seed)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if settings.policy.evicts and settings.policy.base.hindsight:
+        raise UsageError(
+            f"--policy {args.policy!r} is a hindsight ceiling (teacher-forced evaluation only) and cannot generate; "
+            "pick another, see 'caote policies'"
+        )
+    return settings
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Validate every input before loading the model, then stream the answer (and write/print what was asked)."""
     text = read_prompt(args.prompt, args.prompt_file)
     check_model(args.model)
-    # start-up: generation and transformers import torch, which `caote --help` and argument errors do not need
-    from transformers.utils import logging as transformers_logging
-
+    sampling = sampling_options(args)
+    settings = check_settings(args)
+    # start-up: loading imports transformers, which `caote --help` and argument errors do not need
     from caote.models import load_model
-    from caote.settings import CacheSettings
 
-    try:
-        settings = CacheSettings(budget=args.budget, policy=args.policy, block_size=args.block_size)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
     if args.output is not None:
         if args.output.is_dir():
             raise UsageError(f"--output '{args.output}' is a directory; give a file path")
@@ -214,7 +259,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.max_memory is not None and args.device_map is None:
         raise UsageError("--max-memory needs --device-map (e.g. --device-map auto)")
-    transformers_logging.disable_progress_bar()  # keep stderr for errors and --stats
+    hide_loading_bars()
     with tempfile.TemporaryDirectory(prefix="caote-offload-") as offload_folder:
         model, tokenizer = load_model(
             args.model,
@@ -223,14 +268,16 @@ def run_generate(args: argparse.Namespace) -> int:
             max_memory=args.max_memory,
             offload_folder=offload_folder if args.device_map else None,
         )
-        return _answer(args, settings, text, model, tokenizer)
+        return _answer(args, settings, sampling, text, model, tokenizer)
 
 
-def _answer(args, settings, text, model, tokenizer) -> int:
-    """Stream the answer of the loaded model, then write / print what was asked."""
+def _answer(args, settings, sampling: dict, text, model, tokenizer) -> int:
+    """Check what the loaded model cannot serve (a `UsageError`), then stream its answer and write / print what was
+    asked."""
+    import torch
     from transformers import TextStreamer
 
-    from caote.generation import generate
+    from caote.generation import check_inputs, generate
 
     prompt = text
     if args.chat:
@@ -238,6 +285,11 @@ def _answer(args, settings, text, model, tokenizer) -> int:
             prompt = [{"role": "user", "content": text}]
         else:
             print(f"caote generate: note: {args.model!r} has no chat template; using the raw prompt", file=sys.stderr)
+    try:  # the length limit and the model's class, known once it is loaded (generate checks again: a tokenisation)
+        check_inputs(model, tokenizer, prompt, args.max_new_tokens, settings, dict(sampling))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = generate(
         model,
@@ -247,6 +299,7 @@ def _answer(args, settings, text, model, tokenizer) -> int:
         max_new_tokens=args.max_new_tokens,
         return_stats=True,
         streamer=streamer,
+        **sampling,
     )
     sys.stdout.flush()
     if args.output is not None:

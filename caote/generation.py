@@ -9,7 +9,7 @@ import torch
 
 from caote.attention import attention_modules
 from caote.cache import CacheStats, EvictionCache
-from caote.settings import FIELDS, CacheSettings
+from caote.settings import FIELDS, CacheSettings, integer
 
 # generate() options that need a cache which can be cropped, reordered or re-batched (EvictionCache cannot).
 UNSUPPORTED_MODES = {
@@ -43,10 +43,9 @@ class GenerationResult:
     stats: CacheStats
 
 
-def check_max_new_tokens(max_new_tokens) -> None:
-    """A one-line `ValueError` unless ``max_new_tokens`` is an integer >= 1."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+def check_max_new_tokens(max_new_tokens) -> int:
+    """``max_new_tokens`` as an int when it is an integer >= 1 (``numpy.int64`` too); else a one-line `ValueError`."""
+    return integer("max_new_tokens", max_new_tokens, 1)
 
 
 def split_settings(settings: CacheSettings | None, options: dict) -> CacheSettings:
@@ -62,6 +61,16 @@ def check_model(model) -> None:
         raise ValueError(
             f"model must be a loaded model, not the name {name!r}; load it first: "
             f"model, tokenizer = caote.models.load_model({name!r})"
+        )
+
+
+def check_tokenizer(tokenizer) -> None:
+    """Refuse what is not a loaded tokenizer (None, a name, ...): `generate` calls it and decodes with it."""
+    if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+        named = tokenizer is None or isinstance(tokenizer, (str, os.PathLike))
+        shown = repr(tokenizer) if named else f"an object of type {type(tokenizer).__name__}"
+        raise ValueError(
+            f"tokenizer must be a loaded tokenizer (model, tokenizer = caote.models.load_model(...)), got {shown}"
         )
 
 
@@ -130,6 +139,11 @@ def encode_prompt(tokenizer, prompt_or_messages) -> torch.Tensor:
     elif isinstance(prompt_or_messages, (list, tuple)):
         if not prompt_or_messages:
             raise ValueError("the message list is empty")
+        if all(isinstance(item, str) for item in prompt_or_messages):
+            raise ValueError(
+                f"caote.generate answers one prompt at a time, got a list of {len(prompt_or_messages)} strings: call "
+                "it once per prompt (a list is taken as chat messages, dicts with 'role' and 'content')"
+            )
         if not all(
             isinstance(message, dict) and "role" in message and "content" in message for message in prompt_or_messages
         ):
@@ -152,12 +166,32 @@ def encode_prompt(tokenizer, prompt_or_messages) -> torch.Tensor:
     return ids
 
 
+def check_inputs(
+    model, tokenizer, prompt_or_messages, max_new_tokens, settings: CacheSettings | None, options: dict
+) -> tuple[torch.Tensor, CacheSettings, int]:
+    """Every check of `generate`, before any forward, each a one-line `ValueError`. Returns the prompt's ``(1, T)``
+    input ids, the cache settings (their fields are removed from ``options``; the rest are for ``model.generate``)
+    and ``max_new_tokens`` as an int."""
+    check_model(model)
+    settings = split_settings(settings, options)
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
+    attention_modules(model)  # refuses unsupported architectures before anything runs
+    check_generate_options(model, options)
+    check_tokenizer(tokenizer)
+    input_ids = encode_prompt(tokenizer, prompt_or_messages)
+    check_length(model, input_ids.shape[-1], max_new_tokens)
+    return input_ids, settings, max_new_tokens
+
+
 def generate(
     model,
     tokenizer,
     prompt_or_messages,
-    *,
+    budget: int | None = None,
+    policy: str | None = None,
     max_new_tokens: int = 64,
+    block_size: int | None = None,
+    *,
     settings: CacheSettings | None = None,
     return_stats: bool = False,
     streamer=None,
@@ -168,25 +202,24 @@ def generate(
     ``prompt_or_messages`` is a string (tokenised as is) or a list of chat messages (``[{"role": "user",
     "content": ...}]``, run through the tokenizer's chat template with the generation prompt). The prompt is
     consumed in blocks of ``block_size`` tokens (evicting after each) and every decoded token evicts one. The cache
-    settings come as one `CacheSettings` (``settings=``) or as its fields among the keyword arguments (``budget``,
-    ``policy``, ``block_size``, ``sink_tokens``, ``recent_window``, ``gqa``, ``decode_eviction_interval``,
-    ``seed``; defaults in `caote.defaults`); every other keyword goes to ``model.generate`` (``do_sample``,
-    ``temperature``, ...); decoding defaults to greedy.
+    settings come as one `CacheSettings` (``settings=``) or as its fields: ``budget``, ``policy`` and
+    ``block_size`` (also positional, as before) and the keywords ``sink_tokens``, ``recent_window``, ``gqa``,
+    ``decode_eviction_interval``, ``seed`` (defaults in `caote.defaults`); every other keyword goes to
+    ``model.generate`` (``do_sample``, ``temperature``, ...); decoding defaults to greedy.
 
-    Every input is checked before the first forward: the settings, the model (a loaded model, not a name: use
-    `caote.models.load_model`) and its class, the decoding mode (beam search, assisted / prompt-lookup decoding and
-    contrastive search are refused, since the cache cannot be cropped or reordered), an empty prompt and a prompt
-    beyond the model's position limit each raise a one-line `ValueError`.
+    Every input is checked before the first forward (`check_inputs`): the settings, the model and the tokenizer
+    (loaded ones, not names: use `caote.models.load_model`) and the model's class, the decoding mode (beam search,
+    assisted / prompt-lookup decoding and contrastive search are refused, since the cache cannot be cropped or
+    reordered), an empty prompt, a list of prompts and a prompt beyond the model's position limit each raise a
+    one-line `ValueError`.
 
     Returns the text, or a `GenerationResult` (text, token ids, `CacheStats`) with ``return_stats=True``.
     """
-    check_model(model)
-    settings = split_settings(settings, cache_and_generate_kwargs)
-    check_max_new_tokens(max_new_tokens)
-    attention_modules(model)  # refuses unsupported architectures before anything runs
-    check_generate_options(model, cache_and_generate_kwargs)
-    input_ids = encode_prompt(tokenizer, prompt_or_messages)
-    check_length(model, input_ids.shape[-1], max_new_tokens)
+    named = {"budget": budget, "policy": policy, "block_size": block_size}  # positional, as before CacheSettings
+    cache_and_generate_kwargs.update({name: value for name, value in named.items() if value is not None})
+    input_ids, settings, max_new_tokens = check_inputs(
+        model, tokenizer, prompt_or_messages, max_new_tokens, settings, cache_and_generate_kwargs
+    )
     if tokenizer.pad_token_id is not None:
         pad_token_id = tokenizer.pad_token_id
     else:

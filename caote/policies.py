@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import torch
@@ -20,7 +19,6 @@ import torch
 from caote import scoring
 from caote.defaults import PAPER_BASES
 from caote.history import AttentionSum, RecentRows
-from caote.strategies import Hindsight, Immediate, LookAhead
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,9 +53,10 @@ class BaseScore:
     ``score``: `ScoreInputs` -> ``(B, H, N)``, higher = keep.
     ``history``: what the layer remembers of the attention rows (`caote.history`: ``AttentionSum`` for H2O's
     running sum, ``RecentRows(w)`` for the newest ``w`` rows), read as ``ScoreInputs.history``; None for none.
-    ``strategy``: when a layer is evicted and with which extra inputs (`caote.strategies`): right after its
-    attention by default, with the hindsight of later queries (``Hindsight``) or after a greedy draft
-    (``LookAhead``); chosen once, when a cache is built.
+    ``schedule``: when a layer is evicted and with which extra inputs (`caote.strategies.STRATEGIES`, chosen once
+    when a cache is built): ``"immediate"`` right after its attention (the paper's), ``"hindsight"`` with the
+    attention of later queries (the oracle: cannot generate) or ``"lookahead"`` after a greedy draft of
+    ``draft_tokens`` tokens.
     ``keep_unscored``: for a score that is the token's recency, the slots to keep ``(positions, kept, sinks) ->
     indices`` when no slot holds padding, without scoring (slots are in arrival order).
     ``per_query_head``: the score comes per query head (attention) rather than per KV head (keys).
@@ -73,7 +72,8 @@ class BaseScore:
     score: Callable[[ScoreInputs], torch.Tensor]
     about: About
     history: AttentionSum | RecentRows | None = None
-    strategy: Callable[..., Immediate] = Immediate
+    schedule: str = "immediate"
+    draft_tokens: int = 0
     keep_unscored: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
     per_query_head: bool = False
     signed: bool = False
@@ -84,7 +84,7 @@ class BaseScore:
     @property
     def hindsight(self) -> bool:
         """The score reads the attention of later queries, known only on a teacher-forced text: it cannot generate."""
-        return self.strategy is Hindsight
+        return self.schedule == "hindsight"
 
 
 SNAPKV_WINDOW = 32
@@ -169,7 +169,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="random",
-            score=lambda x: scoring.random_score(x.keys, x.random()),
+            score=lambda x: scoring.random_score(x.keys, x.random() if x.random is not None else None),
             about=About("uniformly random scores (a floor to beat)", "-"),
         ),
         BaseScore(
@@ -209,7 +209,8 @@ BASE_SCORES: dict[str, BaseScore] = {
                 paper_base="h2o",
             ),
             history=RecentRows(BLOCK_ROWS),
-            strategy=partial(LookAhead, tokens=LOOKAHEAD_TOKENS),
+            schedule="lookahead",
+            draft_tokens=LOOKAHEAD_TOKENS,
             rank_only=True,
         ),
         BaseScore(
@@ -220,7 +221,7 @@ BASE_SCORES: dict[str, BaseScore] = {
                 "summed over its KV group (teacher-forced text only; cannot generate)",
                 "-",
             ),
-            strategy=Hindsight,
+            schedule="hindsight",
             rank_only=True,
         ),
     )
@@ -228,8 +229,8 @@ BASE_SCORES: dict[str, BaseScore] = {
 
 TRANSFORMS: dict[str, Callable[..., torch.Tensor] | None] = {
     "none": None,
-    "caote": scoring.caote_score,
-    "fastcaote": scoring.fast_caote_score,
+    "caote": scoring.caote_errors,
+    "fastcaote": scoring.fast_caote_errors,
 }
 TRANSFORM_SUMMARIES = {
     "caote": "value-aware: ranks by the exact attention-output change w/(1-w)*||X - v|| (arXiv 2504.14051)",
@@ -321,6 +322,11 @@ def hindsight_policies(names: list[str]) -> list[str]:
 
 def expand_policies(spec: str) -> list[str]:
     """``"h2o,h2o+caote"`` or a group name (``"paper"``, ``"all"``) -> validated policy names."""
+    if not isinstance(spec, str):
+        raise ValueError(
+            f"policies must be a comma-separated string of policy names or groups ({', '.join(POLICY_GROUPS)}), "
+            f"got {spec!r}"
+        )
     names: list[str] = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:

@@ -76,14 +76,14 @@ def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: tor
     return error.scatter(-1, heaviest, torch.where(top_weight > 0.5, stable, error.gather(-1, heaviest)))
 
 
-def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-    """CAOTE eviction error of every token (Goel et al., arXiv 2504.14051, Thm. 3.2).
+def caote_errors(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """CAOTE eviction error of every token (Goel et al., arXiv 2504.14051, Thm. 3.2), from a distribution.
 
     ``c_j = w_j / (1 - w_j) * || sum_i w_i v_i - v_j ||_2``: the exact change of the attention output when token j
-    alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` are a distribution (`normalise_weights`:
+    alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` already sum to 1 (`normalise_weights`:
     float32, or float64; padding has weight 0); ``values`` ``(..., N, d)`` broadcast against them (GQA: weights
     ``(B, H_kv, g, N)``, values ``(B, H_kv, 1, N, d)``). ``real`` is accepted for the same signature as
-    `fast_caote_score`. Never NaN.
+    `fast_caote_errors`. Never NaN. `Policy.scores` calls this after its one normalisation.
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
@@ -91,16 +91,27 @@ def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor 
     return eviction_error(weights, values, output)
 
 
-def fast_caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+def fast_caote_errors(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
     """FastCAOTE (arXiv 2504.14051, §3): CAOTE with the plain mean of the values in place of ``sum_i w_i v_i``.
 
-    ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; weights and values as in `caote_score`. ``real``
+    ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; weights and values as in `caote_errors`. ``real``
     ``(..., N)`` (broadcast like the weights' leading axes) marks the tokens that are not padding: the mean is over
     those only.
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
     return eviction_error(weights, values, masked_mean(values, real))
+
+
+def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """`caote_errors` of any non-negative scores: ``weights`` ``(..., N)`` are normalised to sum to 1 first
+    (``-inf`` marks padding, which gets weight 0). Never NaN."""
+    return caote_errors(normalise_weights(weights), values, real)
+
+
+def fast_caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """`fast_caote_errors` of any non-negative scores, normalised first as in `caote_score`."""
+    return fast_caote_errors(normalise_weights(weights), values, real)
 
 
 def row_eviction_errors(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

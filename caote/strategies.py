@@ -1,5 +1,5 @@
 """When a layer is evicted, and with which extra score inputs: one small strategy per schedule, chosen once when a
-cache is built (a `BaseScore` names its own; `caote.policies`).
+cache is built from the name a `BaseScore` gives its schedule (`caote.policies`; `STRATEGIES`).
 
 * `Immediate`: right after the layer's attention, whenever it holds more than the budget (the paper's schedule).
 * `Hindsight`: the same, with the attention each token will receive from later queries (the ``oracle``).
@@ -69,14 +69,14 @@ class LookAhead(Immediate):
     This is the one place a forward runs inside another: attention -> cache -> `after_forward` -> `draft` -> model
     -> attention (docs/architecture.md)."""
 
-    def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False, *, tokens: int):
+    def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
         if sliding_layers:
             raise ValueError(
                 f"policy {settings.policy.name!r} drafts tokens and drops them again, which sliding-window layers "
                 "cannot undo; pick caote-block for a model with sliding-window layers"
             )
         super().__init__(settings)
-        self.tokens = tokens
+        self.tokens = settings.policy.base.draft_tokens
         self._pending: dict[int, int] = {}  # layer -> tokens it held before the draft, awaiting eviction
         self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
         self._drafting = False
@@ -122,3 +122,12 @@ class LookAhead(Immediate):
             ahead = torch.cat(drafted[index], dim=-2) if index in drafted else None
             layer.evict(self.settings.budget, cache.random_generator, ahead_rows=ahead)
         return list(pending)
+
+
+STRATEGIES = {"immediate": Immediate, "hindsight": Hindsight, "lookahead": LookAhead}
+
+
+def strategy_for(settings, future: FutureAttention | None, sliding_layers: bool) -> Immediate:
+    """The strategy of ``settings.policy``'s schedule, built for one cache (``future``: the oracle's hindsight;
+    ``sliding_layers``: the model has sliding-window layers)."""
+    return STRATEGIES[settings.policy.base.schedule](settings, future, sliding_layers)

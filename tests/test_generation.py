@@ -103,3 +103,13 @@ def test_cache_and_generate_kwargs_are_routed(model, tokenizer):
         model, tokenizer, PROMPT, budget=40, max_new_tokens=5, do_sample=True, top_k=5, return_stats=True
     )
     assert len(sampled.token_ids) == 5
+
+
+def test_the_settings_come_positionally_as_before_or_as_one_object(model, tokenizer):
+    from caote.settings import CacheSettings
+
+    positional = caote.generate(model, tokenizer, PROMPT, 48, "tova+caote", 4, 16)
+    settings = CacheSettings(budget=48, policy="tova+caote", block_size=16)
+    assert positional == caote.generate(model, tokenizer, PROMPT, settings=settings, max_new_tokens=4)
+    with pytest.raises(ValueError, match="not both"):
+        caote.generate(model, tokenizer, PROMPT, 48, settings=settings)

@@ -49,8 +49,8 @@ def test_try_grid_is_the_full_cache_against_the_main_policies_at_two_budgets(tmp
     for part in configs.values():
         assert part.policies == list(TRY_GRID.policies) and part.budgets == [128, 256]
         assert part.out.is_relative_to(tmp_path)
-    # 2 NIAH examples x (full + 5 policies x 2 budgets) answers and one text in lockstep: minutes, not an hour
-    assert planned_rows(configs) == {"niah": 22, "perplexity": 11}
+    # 2 NIAH examples x (full + 7 policies x 2 budgets) answers and one text in lockstep: minutes, not an hour
+    assert planned_rows(configs) == {"niah": 30, "perplexity": 15}
     assert report_config("--grid", "try", "--policies", "tova,h2o").policies == ["tova", "h2o"]
 
 

@@ -47,6 +47,17 @@ def test_caote_equals_brute_force_single_query_multi_head(seed):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-9)
 
 
+def test_caote_normalises_unnormalised_weights():
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.rand(2, 20, generator=generator)
+    values = torch.randn(2, 20, 8, generator=generator)
+    torch.testing.assert_close(
+        caote_score(weights * 7.5, values), caote_score(weights / weights.sum(-1, keepdim=True), values)
+    )
+    padded = torch.tensor([[2.0, 1.0, 1.0, float("-inf")]])  # public scores: padding marked -inf, never NaN
+    assert torch.isfinite(caote_score(padded, torch.randn(1, 4, 3, generator=generator))).all()
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_policy_normalises_its_base_score_once_and_the_transform_reads_it_as_is(monkeypatch, padded):
     generator = torch.Generator().manual_seed(3)

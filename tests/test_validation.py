@@ -257,3 +257,27 @@ def test_cache_reused_across_generate_calls_fails():
     )
     cache.reset()
     assert model.generate(ids, **kwargs).shape[-1] == 32
+
+
+# -- the settings object: the earlier positional calls still work -----------------------------------------------------
+
+
+def test_budget_and_policy_may_still_come_positionally(llama):
+    assert EvictionCache(llama, 64, "h2o").settings == CacheSettings(budget=64, policy="h2o")
+
+
+def test_the_benchmark_accepts_a_budget_its_policies_can_use():
+    from caote.benchmark.config import BenchConfig, validate_config
+
+    validate_config(BenchConfig(budget=8, policies=("streamingllm",), decode_policies=("streamingllm",)))
+    with pytest.raises(ValueError, match="budget 8"):
+        validate_config(BenchConfig(budget=8, policies=("h2o",), decode_policies=()))
+
+
+def test_the_random_policy_scores_outside_a_cache_and_hindsight_is_named_by_its_schedule():
+    from caote.policies import BASE_SCORES, ScoreInputs, parse_policy
+
+    keys = torch.randn(1, 2, 10, 4)
+    inputs = ScoreInputs(keys=keys, values=keys, positions=torch.arange(10).expand(1, 2, 10), real=None)
+    assert parse_policy("random").scores(inputs).shape == (1, 2, 10)
+    assert [name for name, base in BASE_SCORES.items() if base.hindsight] == ["oracle"]

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from caote.arguments import Parser, UsageError, int_tuple
-from caote.benchmark.config import DEFAULT_REPEATS, TINY_LLAMA, BenchConfig
+from caote.arguments import Parser, UsageError, hide_loading_bars, int_tuple
+from caote.benchmark.config import COMMITTED_OUT, DEFAULT_OUT, DEFAULT_REPEATS, TINY_LLAMA, BenchConfig
 
 
 def _policy_list(text: str) -> tuple[str, ...]:
@@ -18,6 +18,11 @@ def _policy_list(text: str) -> tuple[str, ...]:
         return tuple(name for name in expand_policies(text) if name != "full")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _listed(values) -> str:
+    """``(2048, 4096)`` -> ``"2048,4096"``: a default as it is typed on the command line."""
+    return ",".join(map(str, values))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,16 +37,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--contexts",
         type=int_tuple,
         default=defaults.contexts,
-        help="comma-separated context lengths in tokens (default 2048,4096,8192,16384)",
+        help=f"comma-separated context lengths in tokens (default {_listed(defaults.contexts)})",
     )
     parser.add_argument(
         "--repeats",
         type=int_tuple,
         default=None,
-        help="repeats per context, one value for all or one per context (default 3,3,3,1)",
+        help="repeats per context, one value for all or one per context "
+        f"(default {_listed(defaults.repeats_for(context) for context in defaults.contexts)})",
     )
-    parser.add_argument("--budget", type=int, default=defaults.budget, help="KV tokens kept per layer (default 512)")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="prefill block size (default 128)")
+    parser.add_argument(
+        "--budget", type=int, default=defaults.budget, help=f"KV tokens kept per layer (default {defaults.budget})"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=defaults.block_size,
+        help=f"prefill block size (default {defaults.block_size})",
+    )
     parser.add_argument(
         "--policies",
         type=_policy_list,
@@ -53,13 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-policies",
         type=_policy_list,
         default=defaults.decode_policies,
-        help="policies also decoded after the prefill (default %(default)s)",
+        help=f"policies also decoded after the prefill (default {', '.join(defaults.decode_policies)})",
     )
     parser.add_argument(
         "--new-tokens",
         type=int,
         default=defaults.new_tokens,
-        help="tokens decoded for the decoding speed (0 = skip; default 32)",
+        help=f"tokens decoded for the decoding speed (0 = skip; default {defaults.new_tokens})",
     )
     parser.add_argument(
         "--decode-eviction-interval",
@@ -68,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="evict this many tokens whenever decoding overflows the budget, so scoring runs once "
         "per that many steps (default 1: one token per step, the paper's setting)",
     )
-    parser.add_argument("--threads", type=int, default=defaults.threads, help="torch threads (default 2)")
+    parser.add_argument(
+        "--threads", type=int, default=defaults.threads, help=f"torch threads (default {defaults.threads})"
+    )
     parser.add_argument(
         "--text",
         choices=("essays", "random"),
@@ -83,8 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
-        default="benchmarks/results",
-        help="directory for results.json, results.md, results.png and growth.png (default %(default)s)",
+        default=DEFAULT_OUT,
+        help="directory for results.json, results.md, results.png and growth.png (default %(default)s, ignored by "
+        f"git; the committed results: --out {COMMITTED_OUT})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for random prompts / tiny models")
     parser.add_argument(
@@ -129,6 +145,7 @@ def command(args: argparse.Namespace) -> int:
     from caote.benchmark.document import report_from_json
     from caote.benchmark.schedule import run_benchmark
 
+    hide_loading_bars()
     if args.report_from:
         summary = report_from_json(args.report_from)["summary"]
         print(f"targets met: {summary['targets_met']} of {summary['targets_total']}")

@@ -30,6 +30,10 @@ DEFAULT_DECODE_POLICIES = (
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384)
 DEFAULT_REPEATS = {2048: 3, 4096: 3, 8192: 3, 16384: 1}
 TINY_LLAMA = "tiny-llama"
+# where a run writes unless told otherwise: a folder the clone ignores (.gitignore's /results/), so a quick look
+# leaves the committed results alone; the committed run names their folder
+DEFAULT_OUT = "results/bench"
+COMMITTED_OUT = "benchmarks/results"
 
 
 @dataclass
@@ -89,4 +93,4 @@ def validate_config(config: BenchConfig) -> None:
         raise ValueError(f"decode policies {missing} must also be prefill policies (decoding follows the prefill)")
     if config.threads < 1 or config.new_tokens < 0:
         raise ValueError("threads must be >= 1 and new_tokens >= 0")
-    CacheSettings(budget=config.budget, block_size=config.block_size)  # one-line errors for a bad budget or block
+    CacheSettings(budget=config.budget, policy="full", block_size=config.block_size)  # a bad budget or block

@@ -11,18 +11,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from caote.arguments import UsageError
+from caote.arguments import Parser, UsageError, hide_loading_bars
 from caote.evaluation.registry import BENCHMARKS, REPORT
 
 DEFAULT_BUDGETS = "128,256,512"
 DEFAULT_LENGTHS = "1024,2048"
+# the wall time of `caote eval report --grid try` (the README's main job) from an empty output folder on two CPU
+# cores, measured; the README and docs/evaluation.md quote it (tests/test_first_hour.py)
+TRY_GRID_TIME = "12 min 36 s"
 
 
 EVAL_DESCRIPTION = (
     "Run BENCHMARK for every policy x budget (plus the full cache as the reference) and summarise it with 95% "
     "confidence intervals. Rows go to OUT/rows.<rank>.jsonl; rerunning resumes. Shard over processes with "
     "'accelerate launch -m caote.cli eval ...'. 'caote eval report' runs a grid of tasks instead (--grid try: the "
-    "README's ~7-minute run): see 'caote eval report --help'."
+    f"README's main job, {TRY_GRID_TIME}): see 'caote eval report --help'."
 )
 REPORT_DESCRIPTION = (
     "Run a grid of tasks (each at its own lengths and budgets) on the model, full cache first, with one overall "
@@ -98,7 +101,7 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         ("--grid",),
         {
             "default": None,
-            "help": "try (full cache vs 5 main policies at b=128/256, NIAH + KL: ~7 min on 2 idle cores), quick "
+            "help": f"try (full cache vs 7 policies at b=128/256, NIAH + KL: {TRY_GRID_TIME} on 2 cores), quick "
             "(31 settings, 2 texts: ~25 min), standard (docs/results.md: 20 texts, 10 NIAH examples per cell and "
             "protocol, with the oracle: hours, resumable) or full (default: full)",
         },
@@ -147,7 +150,7 @@ class _EvalHelp(argparse.Action):
 
 def report_parser(prog: str = "caote eval") -> argparse.ArgumentParser:
     """The options of ``caote eval report`` alone, for its ``--help``."""
-    parser = argparse.ArgumentParser(prog=f"{prog} {REPORT}", description=REPORT_DESCRIPTION)
+    parser = Parser(prog=f"{prog} {REPORT}", description=REPORT_DESCRIPTION)
     for flags, keywords, where in OPTIONS:
         if where != "task":
             parser.add_argument(*flags, **keywords)
@@ -168,7 +171,7 @@ def add_parser(subparsers) -> None:
         if where == "report":
             keywords = {**keywords, "help": f"report: {keywords['help']}"}
         parser.add_argument(*flags, **keywords)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, extra="eval")  # the optional dependencies it needs: `pip install "caote[eval]"`
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    hide_loading_bars()
     if config.benchmark == REPORT:
         return report.run_report(config)
     return report.run_benchmark(config)

@@ -22,8 +22,11 @@ from caote.attention import attention_modules
 
 
 class AttentionCapture:
-    """Forward hooks that keep the latest attention output of every layer (a context manager: hooks are removed
-    on exit)."""
+    """Forward hooks that keep every layer's attention output of a forward until `take` (a context manager: hooks
+    are removed on exit).
+
+    Only a layer's first output since the last `take` is kept: the forwards a forward runs inside itself
+    (caote-ahead's one-token draft, after the block's layers) must not replace the block's outputs."""
 
     def __init__(self, model: nn.Module):
         self.modules = attention_modules(model)
@@ -42,13 +45,15 @@ class AttentionCapture:
 
     def _hook(self, index: int):
         def hook(module, args, output):
+            if self.outputs[index] is not None:  # a nested forward of the same block
+                return
             value = output[0] if isinstance(output, tuple) else output
             self.outputs[index] = value.detach().float()
 
         return hook
 
     def take(self) -> list[torch.Tensor]:
-        """The outputs of the last forward (and forget them)."""
+        """The outputs of the forward run since the last call (and forget them)."""
         outputs, self.outputs = self.outputs, [None] * len(self.modules)
         if any(output is None for output in outputs):
             raise RuntimeError("an attention module did not run in the last forward")
@@ -65,8 +70,12 @@ class FidelityMeter:
         self.per_block: list[float] = []  # per measured block: relative error averaged over layers
 
     def add(self, policy_outputs: list[torch.Tensor], full_outputs: list[torch.Tensor]) -> None:
+        """One block's outputs of every layer, under the policy and under the full cache (same shapes: a
+        broadcast would compare other tokens' outputs)."""
         block = []
         for index, (policy, full) in enumerate(zip(policy_outputs, full_outputs)):
+            if policy.shape != full.shape:
+                raise ValueError(f"layer {index}: policy output {tuple(policy.shape)} vs full {tuple(full.shape)}")
             error = (policy - full).double().pow(2).sum()
             reference = full.double().pow(2).sum()
             self.error[index] += error

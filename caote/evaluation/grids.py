@@ -37,9 +37,9 @@ class Grid:
     beyond: tuple[str, ...] = ()  # our policies beyond the paper: run on every part, judged in their own section
 
 
-# try: the README's first command, real work on the bundled model in about 6 min of rows on 2 idle cores (measured
-# from the quick grid's committed rows: ~10 s per NIAH answer, one 1k-token text in lockstep with 11 settings ~2 min):
-# the full cache vs the main policies at two budgets, NIAH hits and KL from the full cache
+# try: the README's first command, real work on the bundled model in minutes (its measured time:
+# `caote.evaluation.cli.TRY_GRID_TIME`): the full cache vs the paper's bases (the default policy's among them), each
+# plain and with +caote, and streamingllm, at two budgets; NIAH hits and KL from the full cache
 TRY_GRID = Grid(
     "try",
     budgets=(128, 256),
@@ -48,7 +48,7 @@ TRY_GRID = Grid(
         GridPart("niah", lengths=(1024,), samples=1, depths=(50, 90)),
         GridPart("perplexity", lengths=(1024,), samples=1),
     ),
-    policies=("full", "streamingllm", "tova", "tova+caote", "snapkv", "snapkv+caote"),
+    policies=("full", "streamingllm", "h2o", "h2o+caote", "tova", "tova+caote", "snapkv", "snapkv+caote"),
 )
 
 

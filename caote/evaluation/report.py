@@ -19,6 +19,11 @@ from caote.evaluation.runner import distributed_state, run_rows
 from caote.evaluation.summary import summarise_benchmark, summarise_rows
 from caote.models import load_model
 
+# the plot printed at the end of a report: KL from the full cache against the budget (every setting on the same
+# texts, so the variants and their bases stay apart even on the try grid's one text, where NIAH has 2 examples a
+# cell); the first plot when a grid has no texts task
+PRINTED_PLOT = ("perplexity", "kl")
+
 
 def _load(config: EvalConfig, state):
     device = None if state.device.type == "cpu" else str(state.device)
@@ -86,8 +91,16 @@ def run_report(config: EvalConfig) -> int:
     seconds = {name: sum(float(r.get("seconds") or 0) for r in value) for name, value in rows.items()}
     write_results_md(document, grid, config, configs, summaries, rows, seconds, planned, runs=runs)
     print(glance_table(rows))
-    plots = [path for name in ("niah", *configs) for _, path in summaries.get(name, {}).get("plots", [])]
-    if plots:
-        print(f"plot: {plots[0]}")
+    plot = printed_plot(summaries)
+    if plot:
+        print(f"plot: {plot}")
     print(f"tables and plots: {document}")
     return 0
+
+
+def printed_plot(summaries: dict[str, dict]) -> Path | None:
+    """The `PRINTED_PLOT` of a report's summaries, else its first plot (None: no plot)."""
+    task, metric = PRINTED_PLOT
+    chosen = summaries.get(task, {}).get("metric_plots", {}).get(metric)
+    plots = [path for summary in summaries.values() for _, path in summary.get("plots", [])]
+    return chosen or next(iter(plots), None)

@@ -145,7 +145,6 @@ def run_examples(
     (marked ``"evicted": false``) instead of recomputing the same greedy answer. ``max_new_tokens`` caps every
     example's own answer length. ``bar`` (see `run_rows`) advances when a row is saved (or found done).
     """
-    store = RowStore(out, rank)
     mine = examples[rank::num_processes]
     work = [
         (example, policy, None if policy == FULL else budget)
@@ -153,67 +152,68 @@ def run_examples(
         for policy in with_reference(policies)
         for budget in ([None] if policy == FULL else budgets)
     ]
-    own_bar = bar is None
-    if own_bar:
-        bar = progress_bar(len(work), f"{benchmark} [{rank}]", progress, rank)
-    written = 0
-    commit = code_commit()
-    ids_cache: dict[str, torch.Tensor] = {}
-    pipe = None
-    for example, policy, budget in work:
-        key = row_key(model_name, example.id, policy, budget)
-        if key in store:
-            bar.update(1)
-            continue
-        if example.id not in ids_cache:
-            ids_cache = {example.id: prompt_ids(tokenizer, example)}
-        input_ids = ids_cache[example.id]
-        new_tokens = min(example.max_new_tokens, max_new_tokens or example.max_new_tokens)
-        full_row = store.get(row_key(model_name, example.id, FULL, None))
-        started = time.perf_counter()
-        if budget is not None and full_row is not None and budget >= input_ids.shape[1] + new_tokens:
-            prediction, stats, evicted = full_row["prediction"], {}, False
-        elif example.protocol == "in-prompt":
-            prediction, stats = answer(model, tokenizer, input_ids, policy, budget, new_tokens, block_size)
-            evicted = budget is not None
-        else:
-            pipe = pipe or CaoteTextGenerationPipeline(model=model, tokenizer=tokenizer)
-            prediction, stats = answer_after_context(pipe, example, policy, budget, new_tokens, block_size)
-            evicted = budget is not None
-        row = {
-            "key": key,
-            "benchmark": benchmark,
-            "model": model_name,
-            "example_id": example.id,
-            "task": example.task,
-            "protocol": example.protocol,
-            "policy": policy,
-            "budget": budget,
-            "block_size": block_size,
-            "metric": example.metric,
-            "prompt_tokens": int(input_ids.shape[1]),
-            "max_new_tokens": new_tokens,
-            "prediction": prediction,
-            "answers": list(example.answers),
-            "score": float(score_example(example, prediction)),
-            "evicted": evicted,
-            "meta": example.meta,
-            "seconds": round(time.perf_counter() - started, 3),
-            "rank": rank,
-            "num_processes": num_processes,
-            "commit": commit,
-            **stats,
-            **(extra or {}),
-        }
-        if full_row is not None:
-            row["full_score"] = full_row["score"]
-        elif policy == FULL:
-            row["full_score"] = row["score"]
-        store.append(row)
-        bar.update(1)  # after the row is saved: the bar never counts a row still running
-        written += 1
-    if own_bar:
-        bar.close()
+    with RowStore(out, rank) as store:
+        own_bar = bar is None
+        if own_bar:
+            bar = progress_bar(len(work), f"{benchmark} [{rank}]", progress, rank)
+        written = 0
+        commit = code_commit()
+        ids_cache: dict[str, torch.Tensor] = {}
+        pipe = None
+        for example, policy, budget in work:
+            key = row_key(model_name, example.id, policy, budget)
+            if key in store:
+                bar.update(1)
+                continue
+            if example.id not in ids_cache:
+                ids_cache = {example.id: prompt_ids(tokenizer, example)}
+            input_ids = ids_cache[example.id]
+            new_tokens = min(example.max_new_tokens, max_new_tokens or example.max_new_tokens)
+            full_row = store.get(row_key(model_name, example.id, FULL, None))
+            started = time.perf_counter()
+            if budget is not None and full_row is not None and budget >= input_ids.shape[1] + new_tokens:
+                prediction, stats, evicted = full_row["prediction"], {}, False
+            elif example.protocol == "in-prompt":
+                prediction, stats = answer(model, tokenizer, input_ids, policy, budget, new_tokens, block_size)
+                evicted = budget is not None
+            else:
+                pipe = pipe or CaoteTextGenerationPipeline(model=model, tokenizer=tokenizer)
+                prediction, stats = answer_after_context(pipe, example, policy, budget, new_tokens, block_size)
+                evicted = budget is not None
+            row = {
+                "key": key,
+                "benchmark": benchmark,
+                "model": model_name,
+                "example_id": example.id,
+                "task": example.task,
+                "protocol": example.protocol,
+                "policy": policy,
+                "budget": budget,
+                "block_size": block_size,
+                "metric": example.metric,
+                "prompt_tokens": int(input_ids.shape[1]),
+                "max_new_tokens": new_tokens,
+                "prediction": prediction,
+                "answers": list(example.answers),
+                "score": float(score_example(example, prediction)),
+                "evicted": evicted,
+                "meta": example.meta,
+                "seconds": round(time.perf_counter() - started, 3),
+                "rank": rank,
+                "num_processes": num_processes,
+                "commit": commit,
+                **stats,
+                **(extra or {}),
+            }
+            if full_row is not None:
+                row["full_score"] = full_row["score"]
+            elif policy == FULL:
+                row["full_score"] = row["score"]
+            store.append(row)
+            bar.update(1)  # after the row is saved: the bar never counts a row still running
+            written += 1
+        if own_bar:
+            bar.close()
     return written
 
 
@@ -224,42 +224,42 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
     """Rows of a texts task for this process's share of ``texts``: one full-cache pass per text with a pending row,
     then every pending policy x budget against it, each row saved as soon as it is computed (a killed run keeps
     every finished row). ``bar`` (see `run_rows`) advances per row saved or found done."""
-    store = RowStore(config.out, rank)
     mine = texts[rank::world]
     policies = with_reference(config.policies)
     runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
-    own_bar = bar is None
-    if own_bar:
-        bar = progress_bar(len(mine) * len(runs), f"{config.benchmark} [{rank}]", config.progress, rank)
-    written = 0
-    commit = code_commit()
-    for text_id, length, text, unit in mine:
-        pending = [run for run in runs if row_key(config.model, text_id, *run) not in store]
-        bar.update(len(runs) - len(pending))
-        if not pending:
-            continue
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        for result in lockstep_results(model, ids, pending, block_size=config.block_size, fidelity=True):
-            store.append(
-                {
-                    "key": row_key(config.model, text_id, result["policy"], result["budget"]),
-                    "benchmark": config.benchmark,
-                    "model": config.model,
-                    "example_id": text_id,
-                    "task": "essays",
-                    "block_size": config.block_size,
-                    "split": config.split,
-                    "seed": config.seed,
-                    "meta": {"length": length},
-                    "unit": unit,
-                    "rank": rank,
-                    "num_processes": world,
-                    "commit": commit,
-                    **result,
-                }
-            )
-            bar.update(1)  # after the row is saved
-            written += 1
-    if own_bar:
-        bar.close()
+    with RowStore(config.out, rank) as store:
+        own_bar = bar is None
+        if own_bar:
+            bar = progress_bar(len(mine) * len(runs), f"{config.benchmark} [{rank}]", config.progress, rank)
+        written = 0
+        commit = code_commit()
+        for text_id, length, text, unit in mine:
+            pending = [run for run in runs if row_key(config.model, text_id, *run) not in store]
+            bar.update(len(runs) - len(pending))
+            if not pending:
+                continue
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            for result in lockstep_results(model, ids, pending, block_size=config.block_size, fidelity=True):
+                store.append(
+                    {
+                        "key": row_key(config.model, text_id, result["policy"], result["budget"]),
+                        "benchmark": config.benchmark,
+                        "model": config.model,
+                        "example_id": text_id,
+                        "task": "essays",
+                        "block_size": config.block_size,
+                        "split": config.split,
+                        "seed": config.seed,
+                        "meta": {"length": length},
+                        "unit": unit,
+                        "rank": rank,
+                        "num_processes": world,
+                        "commit": commit,
+                        **result,
+                    }
+                )
+                bar.update(1)  # after the row is saved
+                written += 1
+        if own_bar:
+            bar.close()
     return written

@@ -13,6 +13,9 @@ from caote.evaluation.plots import FIGURES, plot_metric_vs_budget
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import load_rows
 from caote.evaluation.tables import (
+    BEST_BASE_FIELDS,
+    COMPARISON_FIELDS,
+    SUMMARY_FIELDS,
     best_base_records,
     best_base_table,
     comparison_records,
@@ -51,6 +54,7 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
         "block_comparisons": [],
         "best_base": [],
         "plots": [],
+        "metric_plots": {},  # metric name -> its plot against the budget, over all rows (no protocol view)
         "records": [],
         "comparison_records": [],
         "best_base_records": [],
@@ -80,6 +84,8 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
             plot = plot_metric_vs_budget(records, out / name, metric.label, title) if plots else None
             if plot:
                 pieces["plots"].append((f"{benchmark}{named}: {metric.label} vs budget", plot))
+                if view == "all":
+                    pieces["metric_plots"][metric.name] = plot
             if len(subtasks) > 1 and task.subtasks:
                 for subtask in subtasks:
                     subtask_records = summary_records(view_rows, metric, benchmark, subtask)
@@ -88,9 +94,9 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
                     pieces["tables"].append((f"{metric.label} — {subtask}{named}", table))
         for figure in task.figures if plots else ():
             pieces["plots"] += [(caption + named, path) for caption, path in FIGURES[figure](view_rows, out, prefix)]
-    write_csv(out / f"{plot_prefix}{benchmark}_summary.csv", pieces["records"])
-    write_csv(out / f"{plot_prefix}{benchmark}_caote_vs_plain.csv", pieces["comparison_records"])
-    write_csv(out / f"{plot_prefix}{benchmark}_vs_best_base.csv", pieces["best_base_records"])
+    write_csv(out / f"{plot_prefix}{benchmark}_summary.csv", pieces["records"], SUMMARY_FIELDS)
+    write_csv(out / f"{plot_prefix}{benchmark}_caote_vs_plain.csv", pieces["comparison_records"], COMPARISON_FIELDS)
+    write_csv(out / f"{plot_prefix}{benchmark}_vs_best_base.csv", pieces["best_base_records"], BEST_BASE_FIELDS)
     return pieces
 
 

@@ -272,12 +272,24 @@ def comparison_table(records: list[dict], digits: int = 3) -> str:
     return "\n".join(lines)
 
 
-def write_csv(path: Path, records: list[dict]) -> None:
+# the columns of the CSV files, one tuple per kind of record (the keys its records function writes)
+SUMMARY_FIELDS = (
+    "benchmark", "task", "metric", "policy", "budget", "n", "mean", "ci_low", "ci_high", "ci_method", "full_mean"
+)  # fmt: skip
+COMPARISON_FIELDS = (
+    "benchmark", "task", "metric", "unit", "compared", "base", "transform", "budget", "n", "delta", "ci_low", "ci_high",
+    "verdict",
+)  # fmt: skip
+BEST_BASE_FIELDS = (
+    "benchmark", "task", "metric", "budget", "policy", "best_base", "best_paper", "mean", "n", "delta", "ci_low",
+    "ci_high", "verdict", "gap_closed",
+)  # fmt: skip
+
+
+def write_csv(path: Path, records: list[dict], fields: tuple[str, ...]) -> None:
+    """``records`` under the header ``fields``, written even when there is no record (a record with a key outside
+    ``fields`` is an error)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not records:
-        path.write_text("")
-        return
-    fields = list(dict.fromkeys(key for record in records for key in record))
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
