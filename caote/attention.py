@@ -47,10 +47,13 @@ DISPATCHED_BACKENDS = {dispatcher: backend for backend, dispatcher in DISPATCHER
 
 
 class AttentionObserver(Protocol):
-    """What a forward's attention calls report to (an `EvictionCache`): the one call from this module upward.
+    """What a forward's attention calls report to (an `EvictionCache`): the calls from this module upward
+    (``attention_mask`` before the kernel, for a layer decoding in place; ``after_attention`` after it).
 
     ``after_forward`` may run forwards of its own through the same model (`caote.strategies.LookAhead` drafts),
     whose attention calls report here again: the one run-time loop of the library (docs/architecture.md)."""
+
+    def attention_mask(self, module: nn.Module, queries, attention_mask, additive: bool): ...
 
     def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict) -> None: ...
 
@@ -85,10 +88,12 @@ def caote_attention(backend: str, module: nn.Module, query, key, value, attentio
     """The attention function of ``backend``'s dispatcher: the backend's own kernel, then, in a forward given an
     `EvictionCache` (in this thread), the cache scores and evicts this layer."""
     kernel = family_eager_attention(module) if backend == "eager" else ALL_ATTENTION_FUNCTIONS["sdpa"]
-    output = kernel(module, query, key, value, attention_mask, **kwargs)
     active = _ACTIVE.get()
-    if active is not None:
-        active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
+    if active is None:
+        return kernel(module, query, key, value, attention_mask, **kwargs)
+    attention_mask = active.cache.attention_mask(module, query, attention_mask, backend == "eager")
+    output = kernel(module, query, key, value, attention_mask, **kwargs)
+    active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
     return output
 
 

@@ -32,6 +32,11 @@ from caote.strategies import strategy_for
 logger = logging.getLogger(__name__)
 
 
+def _detached(layer):
+    """A copy of a cache layer that later in-place writes (of the copy or the original) do not reach."""
+    return layer.detached_copy() if isinstance(layer, EvictionLayer) else copy.copy(layer)
+
+
 class PositionsSeen(NamedTuple):
     """The positions one forward recorded in its first layer, reused by the forward's other layers."""
 
@@ -220,6 +225,8 @@ class EvictionCache(Cache):
         self._bytes = ByteLedger(self.layers)
         self._shared = ForwardShared()
         self.frozen = False
+        self._decodes_in_place = self.strategy is not None and self.strategy.decodes_in_place
+        self._set_in_place(self._decodes_in_place)
         self._switch = ForwardSwitch(model, self)
 
     @property
@@ -269,29 +276,41 @@ class EvictionCache(Cache):
         protocol (compress the context, then let the question and the answer grow the cache uncompressed); a cache
         that is never frozen holds at most ``budget`` tokens throughout. `reset` unfreezes."""
         self.frozen = True
+        self._set_in_place(False)  # a growing cache appends: back to arrival order
+
+    def _set_in_place(self, allowed: bool) -> None:
+        """Let (or stop) every evicting layer decode in place; a layer stopped returns to arrival order."""
+        for layer in self.layers:
+            if isinstance(layer, EvictionLayer):
+                layer.decodes_in_place = allowed
+                if not allowed:
+                    layer.leave_slots()
 
     def reset(self) -> None:
         """Forget every token and all scoring state, ready for a new sequence."""
         super().reset()
         self.frozen = False
+        self._set_in_place(self._decodes_in_place)
         self._bytes.reset(self.layers)
         self._generator = None
         self._shared.clear()
 
     def snapshot(self) -> CacheSnapshot:
         """Record the current state so that `restore` can return to it (e.g. to answer several questions about one
-        compressed context). Free: the cache never writes into its tensors, it replaces them, so they are shared."""
+        compressed context). Free while tokens are in arrival order (the tensors are replaced, never written, so they
+        are shared); the buffers of a layer decoding in place are copied."""
         generator = self._generator.get_state() if self._generator is not None else None
-        return CacheSnapshot([copy.copy(layer) for layer in self.layers], generator, self._bytes.peak)
+        return CacheSnapshot([_detached(layer) for layer in self.layers], generator, self._bytes.peak)
 
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Return to the state `snapshot` recorded; the snapshot stays valid for further restores."""
         if len(snapshot.layers) != len(self.layers):
             raise ValueError(f"the snapshot has {len(snapshot.layers)} layers but the cache has {len(self.layers)}")
-        self.layers = [copy.copy(layer) for layer in snapshot.layers]
+        self.layers = [_detached(layer) for layer in snapshot.layers]
         for layer in self.layers:  # a snapshot of another cache (the evaluation's full-cache prefix) evicts as this one
             if isinstance(layer, EvictionLayer):
                 layer.settings = self.settings
+                layer.decodes_in_place = self._decodes_in_place and not self.frozen
         self._shared.clear()
         self._bytes.reset(self.layers, snapshot.peak_kv_bytes)
         if snapshot.generator_state is not None and self._generator is not None:
@@ -323,6 +342,14 @@ class EvictionCache(Cache):
 
     # -- eviction ------------------------------------------------------------------------------------------------
 
+    def attention_mask(self, module: nn.Module, queries, attention_mask, additive: bool):
+        """The mask ``module``'s attention should use: the model's, or for a layer decoding in place the one over its
+        slots (`EvictionLayer.slot_mask`; ``additive`` for eager attention)."""
+        layer = self.layers[module.layer_idx]
+        if isinstance(layer, EvictionLayer) and layer.in_place and queries.shape[-2] == 1:
+            return layer.slot_mask(attention_mask, queries, additive)
+        return attention_mask
+
     def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict) -> None:
         """Called by caote's attention function right after ``module``'s layer attended, with the call's final
         queries ``(B, H_q, q, d)``, keys and values ``(B, H_kv, N, d)``, mask and arguments: records the layer's
@@ -341,7 +368,8 @@ class EvictionCache(Cache):
                 self.block_size,
                 self.block_size,
             )
-        real = self._shared.real_slots(attention_mask, layer.keys)
+        # a token decoded in place is never padding, and its mask already hides the slots that hold none
+        real = None if layer.in_place else self._shared.real_slots(attention_mask, layer.keys)
         layer.add_positions(self._shared.positions(layer, kwargs, real), real is not None)
         if self.strategy is None or self.frozen:
             return

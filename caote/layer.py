@@ -8,10 +8,19 @@ It holds the retained keys and values, their absolute positions and what its pol
 (`record`: the rows; `evict`: `Policy.scores`, `protect`, ``topk``, `keep`). When a layer is evicted is its
 policy's strategy (`caote.strategies`); the cache around it holds the hooks, the per-forward bookkeeping, the
 statistics and snapshots.
+
+**Decoding in place.** Prompt blocks are appended and gathered as above, in arrival order. At the first one-token
+forward that will evict, the layer packs its ``budget`` tokens into buffers of ``budget + 1`` slots, allocated once;
+from then on each decoded token's key, value and position are written into a slot that an eviction freed, and an
+eviction only marks its tokens' slots free (no gather of the cache). Slots are then out of arrival order: positions
+travel with them, neighbour-reading scores (SnapKV's pooling) see the slots in position order, ties between equal
+scores go to the older token, and a lone decoding query needs a mask only while slots are free (interval > 1) or
+hold padding (`slot_mask`). A forward of more tokens (a new prompt turn) and `leave_slots` return to arrival order.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -21,6 +30,8 @@ from transformers.cache_utils import DynamicLayer
 from caote.attention import attention_probabilities
 from caote.policies import ScoreInputs
 from caote.settings import CacheSettings
+
+FREE = -2  # the position of a slot that holds no token while decoding in place (-1 is padding)
 
 
 def layer_bytes(layer) -> int:
@@ -33,8 +44,8 @@ def layer_bytes(layer) -> int:
 class EvictionLayer(DynamicLayer):
     """One layer's retained keys/values plus what its scores need: absolute positions and attention history.
 
-    ``get_seq_length`` counts every token seen (so RoPE positions stay absolute); ``keys.shape[-2]`` is the number
-    retained. Retained tokens stay in arrival order.
+    ``get_seq_length`` counts every token seen (so RoPE positions stay absolute); `retained` the tokens held.
+    ``decodes_in_place`` (set by the cache from its strategy) lets decode steps write into fixed buffers.
     """
 
     def __init__(self, settings: CacheSettings):
@@ -45,19 +56,104 @@ class EvictionLayer(DynamicLayer):
         self.positions: torch.Tensor | None = None  # (B, H_kv, N) int64, -1 = padding
         self.history: torch.Tensor | None = None  # the policy's `caote.history` of attention rows, token axis last
         self.padded = False  # a padding slot was recorded since the last reset (it may since have been evicted)
+        self.decodes_in_place = False
+        self.free: torch.Tensor | None = None  # in place: (B, H_kv, F) the empty slots, filled in this order
+        self._written: torch.Tensor | None = None  # in place: (B, H_kv, 1) the slot of this step's token
+
+    @property
+    def in_place(self) -> bool:
+        return self.free is not None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.new_tokens = key_states.shape[-2]
-        self.cumulative_length += self.new_tokens
+        new = key_states.shape[-2]
+        if self.in_place and new > 1:  # a new prompt turn: back to the block path
+            self.leave_slots()
+        elif not self.in_place and new == 1 and self.decodes_in_place and self.retained >= self.settings.budget:
+            self.enter_slots()
+        self.new_tokens = new
+        self.cumulative_length += new
+        if self.in_place:
+            return self._write(key_states, value_states)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         return self.keys, self.values
 
     @property
     def retained(self) -> int:
-        return 0 if self.keys is None or self.keys.dim() < 3 else self.keys.shape[-2]
+        if self.keys is None or self.keys.dim() < 3:
+            return 0
+        return self.keys.shape[-2] - (self.free.shape[-1] if self.free is not None else 0)
+
+    # -- decoding in place ---------------------------------------------------------------------------------------
+
+    def enter_slots(self) -> None:
+        """Pack the retained tokens into buffers of ``retained + 1`` slots (the budget's plus one: a decode step's
+        peak), the last one free; the layout equals arrival order until the first eviction."""
+        batch, kv_heads, tokens, dim = self.keys.shape
+        keys = self.keys.new_empty(batch, kv_heads, tokens + 1, dim)
+        values = self.values.new_empty(batch, kv_heads, tokens + 1, self.values.shape[-1])
+        keys[..., :tokens, :], values[..., :tokens, :] = self.keys, self.values
+        positions = self.positions.new_full((batch, kv_heads, tokens + 1), FREE)
+        positions[..., :tokens] = self.positions
+        self.keys, self.values, self.positions = keys, values, positions
+        if self.history is not None:
+            self.history = torch.nn.functional.pad(self.history, (0, 1))
+        self.free = torch.full((batch, kv_heads, 1), tokens, dtype=torch.long, device=keys.device)
+
+    def _write(self, key_states, value_states):
+        """Write the step's token into the next free slot of every KV head, in place."""
+        slot, self.free = self.free[..., :1], self.free[..., 1:]
+        self.keys.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1]), key_states)
+        self.values.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1]), value_states)
+        self.positions.scatter_(2, slot, self.cumulative_length - 1)  # the true position follows in add_positions
+        self._written = slot
+        return self.keys, self.values
+
+    def slot_mask(self, attention_mask, queries: torch.Tensor, additive: bool):
+        """The mask of a lone decoding query over the slots: the model's own while every slot holds a real token;
+        else ``(B, H_q, 1, S)`` over the slots that do (bool, or additive in the queries' dtype)."""
+        if not self.padded and self.free.shape[-1] == 0:
+            return attention_mask
+        real = (self.positions >= 0).repeat_interleave(queries.shape[1] // self.positions.shape[1], dim=1)
+        real = real.unsqueeze(2)
+        if not additive:
+            return real
+        return torch.zeros(real.shape, dtype=queries.dtype, device=real.device).masked_fill_(
+            ~real, torch.finfo(queries.dtype).min
+        )
+
+    def _free_slots(self, evicted: torch.Tensor) -> None:
+        """Mark the slots ``evicted`` ``(B, H_kv, k)`` free, forgetting what the history remembered of them."""
+        self.positions.scatter_(2, evicted, FREE)
+        if self.history is not None:
+            index = evicted.repeat_interleave(self.history.shape[1] // evicted.shape[1], dim=1)
+            if self.history.dim() == 4:
+                index = index.unsqueeze(2).expand(-1, -1, self.history.shape[2], -1)
+            self.history.scatter_(-1, index, 0.0)
+        self.free = evicted
+
+    def leave_slots(self) -> None:
+        """Back to arrival order: the occupied slots gathered by position (free ones sort first, then padding)."""
+        if self.in_place:
+            free = self.free.shape[-1]
+            self.free = self._written = None
+            self.keep(self.positions.argsort(dim=-1, stable=True)[..., free:])
+
+    def kept_positions(self) -> torch.Tensor:
+        """``(B, H_kv, retained)``: the positions of the tokens held, in arrival order (``-1`` for padding)."""
+        if not self.in_place:
+            return self.positions
+        return self.positions.sort(dim=-1).values[..., self.free.shape[-1] :]
+
+    def detached_copy(self) -> EvictionLayer:
+        """A copy that later in-place writes of either do not reach (buffers are shared unless decoding in place)."""
+        twin = copy.copy(self)
+        if self.in_place:
+            twin.keys, twin.values, twin.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
+            twin.history = None if self.history is None else self.history.clone()
+        return twin
 
     @property
     def kv_bytes(self) -> int:
@@ -69,14 +165,21 @@ class EvictionLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Retained tokens sit just before the new ones in the mask; padding slots stay at the front (see `protect`).
+        # In place, a decode step attends over every slot (`slot_mask` masks the ones that hold no real token).
+        if self.in_place and query_length == 1:
+            return self.keys.shape[-2], self.cumulative_length + 1 - self.keys.shape[-2]
         return self.retained + query_length, self.cumulative_length - self.retained
 
     # -- what the scores read ------------------------------------------------------------------------------------
 
     def add_positions(self, positions: torch.Tensor, padded: bool) -> None:
-        """Append the absolute positions ``(B, H_kv, new)`` of the newest tokens (``-1`` for padding)."""
+        """Append the absolute positions ``(B, H_kv, new)`` of the newest tokens (``-1`` for padding); in place, write
+        the step's token's into its slot."""
         self.padded = self.padded or padded
-        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=-1)
+        if self.in_place:
+            self.positions.scatter_(2, self._written, positions)
+        else:
+            self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=-1)
 
     def record(self, module: nn.Module, queries, mask, kwargs: dict, real: torch.Tensor | None) -> None:
         """Fold the attention rows the policy's history reads into it, computing only rows it will still hold at the
@@ -97,25 +200,52 @@ class EvictionLayer(DynamicLayer):
 
     def evict(self, kept: int, random: Callable[[], torch.Generator], **inputs) -> None:
         """Keep the ``kept`` tokens of highest protected score (base score -> transform -> GQA, `Policy.scores`);
-        ``inputs`` are the strategy's extra `ScoreInputs` (``future``, ``ahead_rows``)."""
+        ``inputs`` are the strategy's extra `ScoreInputs` (``future``, ``ahead_rows``). In place, free the others."""
         settings, base = self.settings, self.settings.policy.base
         padded = self.padded  # else every slot is real: the scores and the protection skip their masking
-        if base.keep_unscored is not None and not padded:
+        if base.keep_unscored is not None and not padded and not self.in_place:
             self.keep(base.keep_unscored(self.positions, kept, settings.sink_tokens))
             return
-        scores = settings.policy.scores(
-            ScoreInputs(
-                keys=self.keys,
-                values=self.values,
-                positions=self.positions,
-                real=self.positions >= 0 if padded else None,
-                history=self.history,
-                random=random,
-                **inputs,
-            ),
-            settings.aggregation,
+        order = self.positions.argsort(dim=-1) if self.in_place and base.ordered else None
+        scores = settings.policy.scores(self._score_inputs(order, padded, random, inputs), settings.aggregation)
+        if order is not None:  # back from position order to the slots
+            scores = torch.empty_like(scores).scatter_(-1, order, scores)
+        protected = self.protect(scores, padded)
+        if self.in_place:
+            self._free_slots(self._lowest(protected, self.retained - kept))
+        else:
+            self.keep(protected.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
+
+    def _score_inputs(self, order, padded: bool, random, inputs: dict) -> ScoreInputs:
+        """What the scores read, the slots in position order when ``order`` ``(B, H_kv, S)`` is given."""
+        keys, values, positions, history = self.keys, self.values, self.positions, self.history
+        if order is not None:
+            keys = keys.gather(2, order.unsqueeze(-1).expand_as(keys))
+            values = values.gather(2, order.unsqueeze(-1).expand_as(values))
+            positions = positions.gather(2, order)
+            if history is not None:
+                index = order.repeat_interleave(history.shape[1] // order.shape[1], dim=1)
+                if history.dim() == 4:
+                    index = index.unsqueeze(2).expand(-1, -1, history.shape[2], -1)
+                history = history.gather(-1, index)
+        return ScoreInputs(
+            keys=keys,
+            values=values,
+            positions=positions,
+            real=positions >= 0 if padded else None,
+            history=history,
+            random=random,
+            **inputs,
         )
-        self.keep(self.protect(scores, padded).topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
+
+    def _lowest(self, scores: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` slots ``(B, H_kv, count)`` of lowest score, ties going to the older token."""
+        if count == 1:  # the lowest score; among equal ones the lowest position
+            ties = scores == scores.amin(dim=-1, keepdim=True)
+            return self.positions.masked_fill(~ties, torch.iinfo(torch.long).max).argmin(dim=-1, keepdim=True)
+        order = self.positions.argsort(dim=-1)
+        ranked = scores.gather(-1, order).argsort(dim=-1, stable=True)[..., :count]
+        return order.gather(-1, ranked)
 
     def protect(self, scores: torch.Tensor, padded: bool = True) -> torch.Tensor:
         """Sinks and the recent window always stay; padding always goes first (which keeps the slots that the 2D
@@ -155,7 +285,7 @@ class EvictionLayer(DynamicLayer):
         super().reset()
         self.new_tokens = 0
         self.padded = False
-        self.positions = self.history = None
+        self.positions = self.history = self.free = self._written = None
 
     def _refuse(self, *args, **kwargs):
         raise ValueError(

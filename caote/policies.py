@@ -66,6 +66,8 @@ class BaseScore:
     split).
     ``layer_wide``: one decision for the whole layer (every KV head keeps the same tokens), as the original TOVA.
     ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
+    ``ordered``: the score reads tokens by their neighbours in position order (SnapKV's pooling, its window as the
+    last rows' tokens), so a layer decoding in place hands it the slots sorted by position.
     """
 
     name: str
@@ -80,6 +82,7 @@ class BaseScore:
     recent_window: int | float = 1
     layer_wide: bool = False
     rank_only: bool = False
+    ordered: bool = False
 
     @property
     def hindsight(self) -> bool:
@@ -154,6 +157,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             history=RecentRows(SNAPKV_WINDOW),
             per_query_head=True,
             recent_window=SNAPKV_WINDOW,
+            ordered=True,
         ),
         BaseScore(
             name="keydiff",

@@ -20,7 +20,10 @@ from caote.lookahead import draft
 
 
 class Immediate:
-    """Evict a layer as soon as its attention has run and it holds more than the budget."""
+    """Evict a layer as soon as its attention has run and it holds more than the budget; decode steps write in
+    place (`caote.layer.EvictionLayer`)."""
+
+    decodes_in_place = True
 
     def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
         self.settings = settings
@@ -44,7 +47,10 @@ class Immediate:
 
 class Hindsight(Immediate):
     """Evict with the attention each token receives from all later queries (`caote.future.FutureAttention`),
-    recorded by a full-cache pass over the same teacher-forced text: a ceiling no generation can reach."""
+    recorded by a full-cache pass over the same teacher-forced text: a ceiling no generation can reach. Its future
+    attention is looked up in arrival order, so it keeps the arrival-order path while decoding."""
+
+    decodes_in_place = False
 
     def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
         if future is None:
@@ -67,7 +73,10 @@ class LookAhead(Immediate):
     evicted with those rows as ``ahead_rows``. Decode steps evict at once, as `Immediate`.
 
     This is the one place a forward runs inside another: attention -> cache -> `after_forward` -> `draft` -> model
-    -> attention (docs/architecture.md)."""
+    -> attention (docs/architecture.md). The draft's tokens are dropped by truncating the arrival-order slots, so
+    it keeps that path while decoding."""
+
+    decodes_in_place = False
 
     def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
         if sliding_layers:

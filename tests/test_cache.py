@@ -41,9 +41,11 @@ class BudgetProbe:
         self.handle = model.register_forward_hook(self)
 
     def __call__(self, module, args, output):
-        lengths = {layer.keys.shape[-2] for layer in self.cache.layers}
+        lengths = {layer.retained for layer in self.cache.layers}
         assert len(lengths) == 1, f"layers disagree on the retained count: {lengths}"
         assert lengths.pop() <= self.budget
+        # decoding in place allocates one slot more than the budget (the decode step's peak), once
+        assert all(layer.keys.shape[-2] <= self.budget + 1 for layer in self.cache.layers)
         assert {layer.get_seq_length() for layer in self.cache.layers} == {self.cache.layers[0].cumulative_length}
         self.steps += 1
 
@@ -64,9 +66,9 @@ def test_every_layer_holds_at_most_budget_after_every_step(family, policy, reque
     assert out.shape[1] == 210
     stats = cache.stats()
     assert (stats.tokens_seen, stats.tokens_kept) == (209, budget)
-    positions = cache.layers[0].positions
+    positions = cache.layers[0].kept_positions()  # in arrival order (decode slots are sorted by position)
     assert positions.shape == (1, model.config.num_key_value_heads, budget)
-    assert (positions.diff(dim=-1) > 0).all(), "retained tokens stay in arrival order"
+    assert (positions.diff(dim=-1) > 0).all(), "every retained position is held once"
     assert (positions[..., -1] == 208).all(), "the newest token is always scored in"
 
 
@@ -75,7 +77,7 @@ def test_other_supported_families_run(family):
     model = tiny_model(family)
     cache = EvictionCache(model, budget=40, policy="snapkv+caote", block_size=BLOCK)
     out = greedy(model, random_ids(100), cache, new_tokens=5)
-    assert out.shape[1] == 105 and cache.layers[0].keys.shape[-2] == 40
+    assert out.shape[1] == 105 and cache.layers[0].retained == 40
 
 
 def test_positions_survive_eviction(llama):
@@ -163,7 +165,7 @@ def test_padding_is_evicted_before_any_real_token(llama):
     )
     cache = EvictionCache(llama, budget=50, policy="tova", block_size=BLOCK)
     greedy(llama, ids, cache, attention_mask=(ids != 0).long(), new_tokens=3)
-    assert (cache.layers[0].positions >= 0).all()
+    assert (cache.layers[0].kept_positions() >= 0).all()
 
 
 @pytest.mark.parametrize("policy", ["streamingllm", "tova+caote"])
@@ -177,7 +179,7 @@ def test_padding_recorded_earlier_still_goes_first_when_a_later_forward_has_no_m
         assert int((cache.layers[0].positions < 0).sum(-1).max()) == 4  # 48 slots cut to 44: 4 padding went
         for _ in range(6):  # each step evicts one: the 4 padding slots left, then 2 real tokens
             llama(input_ids=ids[:, -1:], cache=cache, use_cache=True)
-    assert (cache.layers[0].positions >= 0).all()
+    assert (cache.layers[0].kept_positions() >= 0).all()
 
 
 def test_a_cache_is_not_silently_reused_across_generate_calls(llama):
@@ -253,7 +255,7 @@ def test_a_decode_eviction_interval_evicts_k_tokens_every_k_steps_within_budget(
         llama, budget=budget, policy="tova+caote", block_size=BLOCK, decode_eviction_interval=interval
     )
     sizes = []
-    handle = llama.register_forward_hook(lambda *_: sizes.append(cache.layers[0].keys.shape[-2]))
+    handle = llama.register_forward_hook(lambda *_: sizes.append(cache.layers[0].retained))
     try:
         greedy(llama, random_ids(128), cache, new_tokens=13)
     finally:

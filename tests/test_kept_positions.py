@@ -47,13 +47,13 @@ def kept_positions(model, input_ids: torch.Tensor, policy: str) -> dict:
     with torch.no_grad():
         for start in range(0, input_ids.shape[1], BLOCK):
             logits = model(input_ids=input_ids[:, start : start + BLOCK], cache=cache, use_cache=True).logits
-        after_prefill = torch.stack([layer.positions[0] for layer in cache.layers])
+        after_prefill = torch.stack([layer.kept_positions()[0] for layer in cache.layers])
         tokens = []
         for _ in range(DECODE_STEPS):
             token = logits[:, -1:].argmax(-1)
             tokens.append(int(token))
             logits = model(input_ids=token, cache=cache, use_cache=True).logits
-        after_decode = torch.stack([layer.positions[0] for layer in cache.layers])
+        after_decode = torch.stack([layer.kept_positions()[0] for layer in cache.layers])
     return {"prefill": _encode(after_prefill), "decode": _encode(after_decode), "tokens": tokens}
 
 
