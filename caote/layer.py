@@ -203,8 +203,11 @@ class EvictionLayer(DynamicLayer):
         ``inputs`` are the strategy's extra `ScoreInputs` (``future``, ``ahead_rows``). In place, free the others."""
         settings, base = self.settings, self.settings.policy.base
         padded = self.padded  # else every slot is real: the scores and the protection skip their masking
-        if base.keep_unscored is not None and not padded and not self.in_place:
-            self.keep(base.keep_unscored(self.positions, kept, settings.sink_tokens))
+        if base.keep_unscored is not None and not padded:
+            if self.in_place:
+                self._free_slots(base.drop_unscored(self.positions, self.retained - kept, settings.sink_tokens))
+            else:
+                self.keep(base.keep_unscored(self.positions, kept, settings.sink_tokens))
             return
         order = self.positions.argsort(dim=-1) if self.in_place and base.ordered else None
         scores = settings.policy.scores(self._score_inputs(order, padded, random, inputs), settings.aggregation)

@@ -58,7 +58,8 @@ class BaseScore:
     attention of later queries (the oracle: cannot generate) or ``"lookahead"`` after a greedy draft of
     ``draft_tokens`` tokens.
     ``keep_unscored``: for a score that is the token's recency, the slots to keep ``(positions, kept, sinks) ->
-    indices`` when no slot holds padding, without scoring (slots are in arrival order).
+    indices`` when no slot holds padding, without scoring (slots are in arrival order); ``drop_unscored`` the
+    same for a layer decoding in place: the ``(positions, count, sinks) -> indices`` of the slots to free.
     ``per_query_head``: the score comes per query head (attention) rather than per KV head (keys).
     ``signed``: scores may be negative, so CAOTE shifts them before normalising.
     ``recent_window``: newest tokens protected from eviction unless the user overrides it (by default just the
@@ -77,6 +78,7 @@ class BaseScore:
     schedule: str = "immediate"
     draft_tokens: int = 0
     keep_unscored: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+    drop_unscored: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
     per_query_head: bool = False
     signed: bool = False
     recent_window: int | float = 1
@@ -111,6 +113,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             score=lambda x: scoring.streamingllm_score(x.positions),
             about=About("attention sinks + the most recent tokens", "Xiao et al. 2023, arXiv 2309.17453"),
             keep_unscored=scoring.oldest_after_sinks_dropped,
+            drop_unscored=scoring.oldest_after_sinks,
             rank_only=True,
         ),
         BaseScore(

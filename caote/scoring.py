@@ -224,6 +224,15 @@ def oldest_after_sinks_dropped(positions: torch.Tensor, kept: int, sink_tokens: 
     return slots + (positions.shape[-1] - kept) * (slots >= sinks)
 
 
+def oldest_after_sinks(positions: torch.Tensor, count: int, sink_tokens: int) -> torch.Tensor:
+    """StreamingLLM without scoring, for slots in any order (decoding in place): the ``count`` slots ``(B, H, count)``
+    holding the oldest tokens after the sinks. Assumes no padding (and no free slot)."""
+    after_sinks = positions.masked_fill(positions < sink_tokens, torch.iinfo(positions.dtype).max)
+    if count == 1:
+        return after_sinks.argmin(dim=-1, keepdim=True)
+    return after_sinks.topk(count, dim=-1, largest=False).indices
+
+
 def streamingllm_score(positions: torch.Tensor) -> torch.Tensor:
     """StreamingLLM (Xiao et al., arXiv 2309.17453): the most recent tokens; the attention sinks are kept by the
     cache's sink protection (4 tokens by default). ``positions`` ``(B, H_kv, N)``."""

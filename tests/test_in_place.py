@@ -171,3 +171,18 @@ def test_free_slots_are_masked_and_the_peak_stays_within_the_prefill_bound():
         assert stats.kv_bytes == (BUDGET + 1) * len(cache.layers) * per_token
         assert stats.peak_kv_bytes <= (BUDGET * len(cache.layers) + BLOCK) * per_token
         assert stats.tokens_kept == layer.retained <= BUDGET
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_streamingllm_frees_the_oldest_slots_after_the_sinks_without_scoring(monkeypatch, interval):
+    model = tiny_model("llama")
+    ids = random_ids(3 * BLOCK, seed=12)
+    settings = dict(budget=BUDGET, policy="streamingllm", block_size=BLOCK, decode_eviction_interval=interval)
+    with arrival_order(EvictionCache(model, **settings)) as reference:
+        want = decode(model, reference, ids, 9)
+    monkeypatch.setattr(EvictionLayer, "_score_inputs", lambda *args: pytest.fail("streamingllm scored"))
+    with EvictionCache(model, **settings) as slots:
+        got = decode(model, slots, ids, 9)
+        assert all(layer.in_place for layer in slots.layers)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(kept(slots), kept(reference)))
