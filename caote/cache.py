@@ -125,8 +125,9 @@ class CacheSnapshot:
 class CacheStats:
     """What eviction saved so far (per layer counts; bytes over all layers).
 
-    ``peak_kv_bytes`` is the most held at once: inside a forward step only the layer being evicted holds
-    ``budget + new tokens``; the others hold at most ``budget``.
+    ``peak_kv_bytes`` is the most held at once: inside a prefill block only the layer being evicted holds
+    ``budget + block`` tokens, the others at most ``budget``; a layer decoding in place holds the bytes of its
+    ``budget + 1`` slots throughout (one of them free after each step).
     """
 
     tokens_seen: int
@@ -311,6 +312,8 @@ class EvictionCache(Cache):
             if isinstance(layer, EvictionLayer):
                 layer.settings = self.settings
                 layer.decodes_in_place = self._decodes_in_place and not self.frozen
+                if layer.in_place and (not layer.decodes_in_place or layer.keys.shape[-2] != self.budget + 1):
+                    layer.leave_slots()  # slots of another schedule or budget: back to arrival order
         self._shared.clear()
         self._bytes.reset(self.layers, snapshot.peak_kv_bytes)
         if snapshot.generator_state is not None and self._generator is not None:

@@ -68,9 +68,9 @@ class EvictionLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
-        if self.in_place and new > 1:  # a new prompt turn: back to the block path
-            self.leave_slots()
-        elif not self.in_place and new == 1 and self.decodes_in_place and self.retained >= self.settings.budget:
+        if self.in_place and (new > 1 or self.free.shape[-1] == 0):  # a new prompt turn, or no slot free (a forward
+            self.leave_slots()  # that raised before its eviction): back to the block path for this forward
+        elif not self.in_place and new == 1 and self.decodes_in_place and self.retained == self.settings.budget:
             self.enter_slots()
         self.new_tokens = new
         self.cumulative_length += new
@@ -89,8 +89,9 @@ class EvictionLayer(DynamicLayer):
     # -- decoding in place ---------------------------------------------------------------------------------------
 
     def enter_slots(self) -> None:
-        """Pack the retained tokens into buffers of ``retained + 1`` slots (the budget's plus one: a decode step's
-        peak), the last one free; the layout equals arrival order until the first eviction."""
+        """Pack the ``budget`` retained tokens into buffers of ``budget + 1`` slots (a decode step's peak), the last
+        one free; the layout equals arrival order until the first eviction. A layer holding more (a restored
+        snapshot of a larger cache) decodes in arrival order until an eviction brings it to the budget."""
         batch, kv_heads, tokens, dim = self.keys.shape
         keys = self.keys.new_empty(batch, kv_heads, tokens + 1, dim)
         values = self.values.new_empty(batch, kv_heads, tokens + 1, self.values.shape[-1])

@@ -67,8 +67,8 @@ class BaseScore:
     split).
     ``layer_wide``: one decision for the whole layer (every KV head keeps the same tokens), as the original TOVA.
     ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
-    ``ordered``: the score reads tokens by their neighbours in position order (SnapKV's pooling, its window as the
-    last rows' tokens), so a layer decoding in place hands it the slots sorted by position.
+    ``ordered``: the score depends on the tokens' order (SnapKV's pooling and window, the random draws), so a layer
+    decoding in place hands it the slots sorted by position.
     """
 
     name: str
@@ -85,6 +85,12 @@ class BaseScore:
     layer_wide: bool = False
     rank_only: bool = False
     ordered: bool = False
+
+    def __post_init__(self):
+        if (self.keep_unscored is None) != (self.drop_unscored is None):
+            raise ValueError(
+                f"base {self.name!r}: keep_unscored and drop_unscored come together (arrival order, slots)"
+            )
 
     @property
     def hindsight(self) -> bool:
@@ -178,6 +184,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             name="random",
             score=lambda x: scoring.random_score(x.keys, x.random() if x.random is not None else None),
             about=About("uniformly random scores (a floor to beat)", "-"),
+            ordered=True,  # one draw per token in position order, whatever slot holds it
         ),
         BaseScore(
             name="caote-window",
