@@ -41,6 +41,13 @@ def layer_bytes(layer) -> int:
     return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
 
 
+def history_index(slots: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """Slot indices ``(B, H_kv, k)`` as an index into a per-query-head ``history`` ``(B, H_q, [R,] N)``: each KV
+    head's slots repeated over its query group (and over the rows)."""
+    index = slots.repeat_interleave(history.shape[1] // slots.shape[1], dim=1)
+    return index.unsqueeze(2).expand(-1, -1, history.shape[2], -1) if history.dim() == 4 else index
+
+
 class EvictionLayer(DynamicLayer):
     """One layer's retained keys/values plus what its scores need: absolute positions and attention history.
 
@@ -129,10 +136,7 @@ class EvictionLayer(DynamicLayer):
         """Mark the slots ``evicted`` ``(B, H_kv, k)`` free, forgetting what the history remembered of them."""
         self.positions.scatter_(2, evicted, FREE)
         if self.history is not None:
-            index = evicted.repeat_interleave(self.history.shape[1] // evicted.shape[1], dim=1)
-            if self.history.dim() == 4:
-                index = index.unsqueeze(2).expand(-1, -1, self.history.shape[2], -1)
-            self.history.scatter_(-1, index, 0.0)
+            self.history.scatter_(-1, history_index(evicted, self.history), 0.0)
         self.free = evicted
 
     def leave_slots(self) -> None:
@@ -228,10 +232,7 @@ class EvictionLayer(DynamicLayer):
             values = values.gather(2, order.unsqueeze(-1).expand_as(values))
             positions = positions.gather(2, order)
             if history is not None:
-                index = order.repeat_interleave(history.shape[1] // order.shape[1], dim=1)
-                if history.dim() == 4:
-                    index = index.unsqueeze(2).expand(-1, -1, history.shape[2], -1)
-                history = history.gather(-1, index)
+                history = history.gather(-1, history_index(order, history))
         return ScoreInputs(
             keys=keys,
             values=values,
@@ -272,12 +273,8 @@ class EvictionLayer(DynamicLayer):
         self.keys = self.keys.reshape(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
         self.values = self.values.reshape(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
         self.positions = self.positions.gather(2, indices)
-        if self.history is not None:  # per query head: each KV head's choice repeated over its group
-            history = self.history
-            index = indices.repeat_interleave(history.shape[1] // kv_heads, dim=1)
-            if history.dim() == 4:
-                index = index.unsqueeze(2).expand(-1, -1, history.shape[2], -1)
-            self.history = history.gather(-1, index)
+        if self.history is not None:
+            self.history = self.history.gather(-1, history_index(indices, self.history))
 
     def truncate(self, tokens: int) -> None:
         """Drop every slot after the first ``tokens`` (a look-ahead draft's), as if those tokens were never seen."""

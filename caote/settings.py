@@ -40,11 +40,40 @@ def integer(name: str, value, low: int, high: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """How an `EvictionCache` evicts (see its docstring for each field).
+    """How an `EvictionCache` evicts.
 
     ``policy`` may be given as a name; it is stored parsed (`caote.policies.Policy`). ``recent_window`` None means
     the policy's own window; ``recent`` is the window in effect (H2O: half the budget). ``gqa`` is overridden by a
     policy name ending in ``/<gqa>``; ``aggregation`` is the one in effect. ``seed`` None means the default.
+
+    Fields
+    ------
+    budget:
+        Tokens kept per full-attention layer (and per KV head) after each step (default 512). Sliding-window layers
+        of hybrid models (Gemma-2/3, Cohere-2, ...) keep transformers' own sliding-window layer, bounded by its
+        window.
+    policy:
+        ``"full"``, a base (``"streamingllm"``, ``"h2o"``, ``"tova"``, ``"snapkv"``, ...: ``caote policies`` lists
+        them all) or ``"<base>+caote"`` / ``"<base>+fastcaote"`` (see `caote.policies`).
+    block_size:
+        Prompt block size that ``generate(prefill_chunk_size=...)`` should use (the paper's 128); a forward with more
+        new tokens than this is allowed but logs a warning, since its attention is not bounded by the budget.
+    sink_tokens:
+        The first positions, never evicted (StreamingLLM's attention sinks). Default 4.
+    recent_window:
+        The newest tokens, never evicted. Default: the policy's own (half the budget for H2O, SnapKV's 32-query
+        window, else the newest token only).
+    gqa:
+        How CAOTE errors of the query heads sharing a KV head combine: ``"rss"`` (exact), ``"mean"`` or ``"max"``.
+        Plain base scores are always averaged over the group. A policy name ending in ``/<gqa>`` sets it instead.
+    seed:
+        Seed of the ``random`` policy (its numbers are drawn on the CPU, whatever device each layer is on).
+    decode_eviction_interval:
+        Decoding evicts one token per step by default (1). With ``k > 1`` a step with one new token that overflows
+        the budget evicts ``k`` tokens at once, so scoring runs every ``k`` steps; the cache then holds between
+        ``budget - k + 1`` and ``budget`` tokens. Prompt blocks of two or more tokens evict down to ``budget``; a
+        prompt whose last block has a single token counts it as a decode step (``generate`` does not tell the cache
+        which forwards are prompt chunks).
     """
 
     budget: int = DEFAULT_BUDGET
