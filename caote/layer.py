@@ -170,8 +170,9 @@ class EvictionLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Retained tokens sit just before the new ones in the mask; padding slots stay at the front (see `protect`).
-        # In place, a decode step attends over every slot (`slot_mask` masks the ones that hold no real token).
-        if self.in_place and query_length == 1:
+        # In place, a decode step attends over every slot (`slot_mask` masks the ones that hold no real token); a
+        # layer with no slot free goes back to arrival order in `update`, so it gets the arrival-order sizes.
+        if self.in_place and query_length == 1 and self.free.shape[-1] > 0:
             return self.keys.shape[-2], self.cumulative_length + 1 - self.keys.shape[-2]
         return self.retained + query_length, self.cumulative_length - self.retained
 

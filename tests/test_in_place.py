@@ -213,8 +213,9 @@ def test_a_restored_larger_snapshot_decodes_in_arrival_order_until_it_reaches_th
     assert results[0] == results[1]
 
 
-def test_restoring_into_a_frozen_cache_or_after_a_failed_forward_returns_to_arrival_order():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_restoring_into_a_frozen_cache_or_after_a_failed_forward_returns_to_arrival_order(attention):
+    model = tiny_model("llama", attn_implementation=attention)
     cache = EvictionCache(model, budget=BUDGET, policy="tova+caote", block_size=BLOCK)
     with cache:
         decode(model, cache, random_ids(3 * BLOCK, seed=14), 3)
