@@ -277,7 +277,7 @@ def _answer(args, settings, sampling: dict, text, model, tokenizer) -> int:
     import torch
     from transformers import TextStreamer
 
-    from caote.generation import check_inputs, generate
+    from caote.generation import check_inputs, generate_checked
 
     prompt = text
     if args.chat:
@@ -285,22 +285,16 @@ def _answer(args, settings, sampling: dict, text, model, tokenizer) -> int:
             prompt = [{"role": "user", "content": text}]
         else:
             print(f"caote generate: note: {args.model!r} has no chat template; using the raw prompt", file=sys.stderr)
-    try:  # the length limit and the model's class, known once it is loaded (generate checks again: a tokenisation)
-        check_inputs(model, tokenizer, prompt, args.max_new_tokens, settings, dict(sampling))
+    options = dict(sampling)
+    try:  # the length limit and the model's class, known once it is loaded
+        input_ids, settings, max_new_tokens = check_inputs(
+            model, tokenizer, prompt, args.max_new_tokens, settings, options
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    result = generate(
-        model,
-        tokenizer,
-        prompt,
-        settings=settings,
-        max_new_tokens=args.max_new_tokens,
-        return_stats=True,
-        streamer=streamer,
-        **sampling,
-    )
+    result = generate_checked(model, tokenizer, input_ids, settings, max_new_tokens, streamer=streamer, **options)
     sys.stdout.flush()
     if args.output is not None:
         write_atomically(args.output, result.text)

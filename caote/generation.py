@@ -220,16 +220,21 @@ def generate(
     input_ids, settings, max_new_tokens = check_inputs(
         model, tokenizer, prompt_or_messages, max_new_tokens, settings, cache_and_generate_kwargs
     )
-    if tokenizer.pad_token_id is not None:
-        pad_token_id = tokenizer.pad_token_id
-    else:
-        pad_token_id = tokenizer.eos_token_id
-    cache_and_generate_kwargs.setdefault("pad_token_id", pad_token_id)
-    new_ids, stats = generate_ids(
-        model, input_ids, settings, max_new_tokens, streamer=streamer, **cache_and_generate_kwargs
+    result = generate_checked(
+        model, tokenizer, input_ids, settings, max_new_tokens, streamer=streamer, **cache_and_generate_kwargs
     )
-    text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    return GenerationResult(text, new_ids, stats) if return_stats else text
+    return result if return_stats else result.text
+
+
+def generate_checked(
+    model, tokenizer, input_ids: torch.Tensor, settings: CacheSettings, max_new_tokens: int, streamer=None, **options
+) -> GenerationResult:
+    """`generate` after `check_inputs` (which returned ``input_ids``, ``settings`` and ``max_new_tokens``, and left
+    in ``options`` only what goes to ``model.generate``): the answer, its ids and the cache's statistics."""
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    options.setdefault("pad_token_id", pad_token_id)
+    new_ids, stats = generate_ids(model, input_ids, settings, max_new_tokens, streamer=streamer, **options)
+    return GenerationResult(tokenizer.decode(new_ids, skip_special_tokens=True), new_ids, stats)
 
 
 def generate_ids(
