@@ -27,7 +27,7 @@ from caote.attention import ForwardSwitch, active_forward, attention_modules, sl
 from caote.future import FutureAttention
 from caote.layer import EvictionLayer, layer_bytes
 from caote.settings import CacheSettings
-from caote.strategies import strategy_for
+from caote.strategies import CacheContext, strategy_for
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,10 @@ class EvictionCache(Cache):
     future:
         The `caote.future.FutureAttention` of the teacher-forced text this cache will read, required by the
         ``oracle`` policy (and only by it): a hindsight ceiling for evaluation, which no generation can provide.
+    predictor:
+        For the ``learned`` policy only, an object standing in for the model's importance predictor (calibration
+        uses it to record features; `caote.calibration`). Users name a predictor file with the ``predictor``
+        setting instead.
     """
 
     def __init__(
@@ -170,6 +174,7 @@ class EvictionCache(Cache):
         policy: str | None = None,
         *,
         future: FutureAttention | None = None,
+        predictor=None,
         **values,
     ):
         if settings is not None and not isinstance(settings, CacheSettings):  # EvictionCache(model, 256, "h2o")
@@ -180,11 +185,8 @@ class EvictionCache(Cache):
         self.policy = self.settings.policy
         attention_modules(model)  # refuses an unsupported family or backend in one line
         windows = sliding_windows(model)
-        self.strategy = (
-            strategy_for(self.settings, future, any(window is not None for window in windows))
-            if self.policy.evicts
-            else None
-        )
+        context = CacheContext(model, future, any(window is not None for window in windows), predictor)
+        self.strategy = strategy_for(self.settings, context) if self.policy.evicts else None
         every_layer_slides = all(window is not None for window in windows)
         super().__init__(
             layers=[

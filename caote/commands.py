@@ -1,7 +1,8 @@
-"""``caote generate`` and ``caote policies``: the user-facing subcommands of the ``caote`` CLI.
+"""``caote generate``, ``caote policies`` and ``caote calibrate``: the user-facing subcommands of the ``caote`` CLI.
 
 ``caote generate`` answers one prompt with a bounded KV cache, streaming the answer to stdout; ``caote policies``
-prints every eviction policy with a one-line description and its reference.
+prints every eviction policy with a one-line description and its reference; ``caote calibrate`` fits the learned
+policy's predictor for a model (`caote.evaluation.calibration`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(subparsers) -> None:
-    """Register ``generate`` and ``policies`` on the ``caote`` subcommand parser."""
+    """Register ``generate``, ``policies`` and ``calibrate`` on the ``caote`` subcommand parser."""
     generate = subparsers.add_parser(
         "generate",
         help="answer a prompt with a bounded KV cache, streaming tokens to stdout",
@@ -106,6 +107,13 @@ def add_parser(subparsers) -> None:
         help="with --device-map: most memory per device, e.g. 'cpu=200MiB' or '0=6GiB,cpu=16GiB'; the rest of the "
         "model is offloaded to disk (a temporary folder)",
     )
+    generate.add_argument(
+        "--predictor",
+        type=Path,
+        metavar="FILE",
+        help="for the learned policies: a predictor file written by 'caote calibrate' (default: the one committed for "
+        "the model; the bundled model has one)",
+    )
     generate.add_argument("--stats", action="store_true", help="print tokens seen / kept and KV bytes saved to stderr")
     generate.add_argument(
         "--output",
@@ -121,6 +129,37 @@ def add_parser(subparsers) -> None:
         description="List every eviction policy accepted by --policy, with a one-line description and reference.",
     )
     policies.set_defaults(func=run_policies)
+
+    calibrate = subparsers.add_parser(
+        "calibrate",
+        help="fit the learned policy's importance predictor for a model to the hindsight oracle",
+        description=(
+            "Fit the 'learned' policy's predictor of each token's future attention for one model: full-cache passes "
+            "over calibration texts record what later queries attend to, evicting passes record what the policy "
+            "will see, and a ridge regression per layer and KV head links the two. Texts: the dev split of the "
+            "essays or of the Python code (never a text the evaluation grids read), or the .txt files of a folder."
+        ),
+    )
+    calibrate.add_argument("--model", default="smollm2-135m", help="the model (default: %(default)s)")
+    source = calibrate.add_mutually_exclusive_group()
+    source.add_argument("--domain", choices=("essays", "code"), default="essays", help="dev-split texts to read")
+    source.add_argument("--texts", type=Path, metavar="FOLDER", help="read the .txt files of FOLDER instead")
+    calibrate.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the predictor")
+    calibrate.add_argument(
+        "--length", type=positive_int, default=1024, help="tokens per calibration excerpt (default: %(default)s)"
+    )
+    calibrate.add_argument("--count", type=positive_int, help="use only the first COUNT excerpts (default: all)")
+    calibrate.add_argument(
+        "--budgets",
+        default="128,256,512",
+        help="budgets of the evicting passes, comma-separated (default: %(default)s)",
+    )
+    calibrate.add_argument(
+        "--features",
+        default="scalars,key",
+        help="feature groups: scalars, key, value, comma-separated (default: %(default)s)",
+    )
+    calibrate.set_defaults(func=run_calibrate)
 
 
 # -- caote policies -----------------------------------------------------------------------------------------------
@@ -231,7 +270,16 @@ def check_settings(args: argparse.Namespace):
     from caote.settings import CacheSettings
 
     try:
-        settings = CacheSettings(budget=args.budget, policy=args.policy, block_size=args.block_size, seed=args.seed)
+        predictor = getattr(args, "predictor", None)
+        if predictor is not None and not predictor.is_file():
+            raise UsageError(f"--predictor '{predictor}' is not a file; write one with 'caote calibrate'")
+        settings = CacheSettings(
+            budget=args.budget,
+            policy=args.policy,
+            block_size=args.block_size,
+            seed=args.seed,
+            predictor=None if predictor is None else str(predictor),
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
     if settings.policy.evicts and settings.policy.base.hindsight:
@@ -240,6 +288,47 @@ def check_settings(args: argparse.Namespace):
             "pick another, see 'caote policies'"
         )
     return settings
+
+
+def comma_list(text: str, kind, allowed=None, option: str = "") -> list:
+    """``"128,256"`` -> ``[128, 256]`` (each item converted by ``kind`` and, with ``allowed``, one of those)."""
+    try:
+        items = [kind(item.strip()) for item in text.split(",") if item.strip()]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise UsageError(f"{option} must be comma-separated values, got {text!r}") from None
+    bad = [item for item in items if allowed is not None and item not in allowed]
+    if not items or bad:
+        raise UsageError(f"{option} takes {', '.join(map(str, allowed)) if allowed else 'values'}, got {text!r}")
+    return items
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Fit and save a predictor (`caote.evaluation.calibration.calibrate`), printing what it cost."""
+    budgets = comma_list(args.budgets, positive_int, option="--budgets")
+    groups = comma_list(args.features, str, ("scalars", "key", "value"), "--features")
+    if args.texts is not None and not args.texts.is_dir():
+        raise UsageError(f"--texts '{args.texts}' is not a folder")
+    if args.out.is_dir():
+        raise UsageError(f"--out '{args.out}' is a directory; give a file path")
+    check_model(args.model)
+    hide_loading_bars()
+    from caote.evaluation.calibration import calibrate, calibration_texts, folder_texts
+    from caote.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    if args.texts is not None:
+        texts = folder_texts(tokenizer, args.texts, args.length, args.count)
+    else:
+        texts = calibration_texts(tokenizer, args.domain, args.length, args.count)
+    predictor = calibrate(model, tokenizer, texts, budgets=tuple(budgets), groups=tuple(groups), model_name=args.model)
+    path = predictor.save(args.out)
+    details = predictor.details
+    print(
+        f"caote calibrate: {len(texts)} texts x {len(budgets)} budgets, {details['rows']:,} rows, "
+        f"{details['seconds']:.0f} s; held-out error {details['held_out_mse']:.3f} of variance "
+        f"{details['held_out_variance']:.3f}; wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"
+    )
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:

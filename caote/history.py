@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from caote.scoring import accumulate_attention, keep_recent_rows
 
@@ -47,3 +48,31 @@ class RecentRows:
         """Rows of earlier forwards reach the eviction of a block of ``block_rows`` queries when the window is
         longer than the block."""
         return self.window > block_rows
+
+
+@dataclass(frozen=True)
+class SumAndRecent:
+    """What the ``learned`` base reads (`caote.learned`), in one tensor ``(B, H_q, 3 + <=window, N)``: row 0 the
+    running sum of every row (H2O's), row 1 the sum and row 2 the maximum of the newest prompt block's rows (kept
+    through decode steps, which fold into rows 0 and 3+ only), rows 3+ the newest ``window`` rows."""
+
+    window: int
+
+    def rows(self, new: int, retained: int, budget: int) -> int:
+        """A running sum needs every row of every step."""
+        return new
+
+    def fold(self, history: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        tokens = rows.shape[-1]
+        if history is not None and history.shape[-1] < tokens:
+            history = F.pad(history, (0, tokens - history.shape[-1]))
+        total = rows.sum(-2) if history is None else history[:, :, 0] + rows.sum(-2)
+        if rows.shape[-2] > 1 or history is None:
+            block = [rows.sum(-2), rows.amax(-2)]
+        else:
+            block = [history[:, :, 1], history[:, :, 2]]
+        recent = keep_recent_rows(None if history is None else history[:, :, 3:], rows, self.window)
+        return torch.cat([torch.stack([total, *block], dim=2), recent], dim=2)
+
+    def carries_over(self, block_rows: int) -> bool:
+        return True

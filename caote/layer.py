@@ -241,6 +241,7 @@ class EvictionLayer(DynamicLayer):
             real=positions >= 0 if padded else None,
             history=history,
             random=random,
+            new_tokens=self.new_tokens,
             **inputs,
         )
 

@@ -18,7 +18,8 @@ import torch
 
 from caote import scoring
 from caote.defaults import PAPER_BASES
-from caote.history import AttentionSum, RecentRows
+from caote.history import AttentionSum, RecentRows, SumAndRecent
+from caote.learned import LEARNED_RECENT, RECENT_ROWS, learned_score
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +34,8 @@ class ScoreInputs:
     random: Callable[[], torch.Generator] | None = None  # the cache's seeded CPU generator, made on first use
     future: torch.Tensor | None = None  # (B, H_kv, N) attention from later queries (hindsight, `caote.future`)
     ahead_rows: torch.Tensor | None = None  # (B, H_q, k, N) attention of k drafted queries (look-ahead bases)
+    new_tokens: int = 0  # how many of the tokens arrived in this forward (a prompt block's, or 1 when decoding)
+    predictor: object | None = None  # the layer's `caote.learned.LayerPredictor` (the ``learned`` base)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class BaseScore:
     name: str
     score: Callable[[ScoreInputs], torch.Tensor]
     about: About
-    history: AttentionSum | RecentRows | None = None
+    history: AttentionSum | RecentRows | SumAndRecent | None = None
     schedule: str = "immediate"
     draft_tokens: int = 0
     keep_unscored: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
@@ -226,6 +229,20 @@ BASE_SCORES: dict[str, BaseScore] = {
             schedule="lookahead",
             draft_tokens=LOOKAHEAD_TOKENS,
             rank_only=True,
+        ),
+        BaseScore(
+            name="learned",
+            score=learned_score,
+            about=About(
+                "beyond the paper: each token's future attention predicted by a per-(layer, KV head) linear map of "
+                "causal features (attention so far, age, value, pre-RoPE key) fitted once per model to the "
+                "hindsight oracle; needs a calibrated predictor (`caote calibrate`; the bundled model ships one)",
+                "this library; distilled from the hindsight oracle, cf. KVzap (NVIDIA kvpress, 2025)",
+                paper_base="h2o",
+            ),
+            history=SumAndRecent(RECENT_ROWS),
+            schedule="learned",
+            recent_window=LEARNED_RECENT,
         ),
         BaseScore(
             name="oracle",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 from dataclasses import dataclass, field
 
 from caote.defaults import (
@@ -68,6 +69,9 @@ class CacheSettings:
         Plain base scores are always averaged over the group. A policy name ending in ``/<gqa>`` sets it instead.
     seed:
         Seed of the ``random`` policy (its numbers are drawn on the CPU, whatever device each layer is on).
+    predictor:
+        A predictor file written by ``caote calibrate``, read by the ``learned`` policies only (`caote.learned`);
+        None: the predictor committed for the model (the bundled model has one).
     decode_eviction_interval:
         Decoding evicts one token per step by default (1). With ``k > 1`` a step with one new token that overflows
         the budget evicts ``k`` tokens at once, so scoring runs every ``k`` steps; the cache then holds between
@@ -84,6 +88,7 @@ class CacheSettings:
     gqa: str = DEFAULT_GQA
     decode_eviction_interval: int = DEFAULT_DECODE_EVICTION_INTERVAL
     seed: int | None = DEFAULT_SEED
+    predictor: str | None = None
     recent: int = field(init=False, repr=False)
     aggregation: str = field(init=False, repr=False)
 
@@ -98,6 +103,8 @@ class CacheSettings:
             "decode_eviction_interval": integer("decode_eviction_interval", self.decode_eviction_interval, 1),
             "seed": DEFAULT_SEED if self.seed is None else integer("seed", self.seed, 0, SEED_LIMIT),
         }
+        if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
+            raise ValueError(f"predictor must be the path of a file written by caote calibrate, got {self.predictor!r}")
         if self.gqa not in GQA_AGGREGATIONS:
             raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {self.gqa!r}")
         for name, value in values.items():

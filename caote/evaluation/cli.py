@@ -81,6 +81,16 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         {"type": Path, "default": None, "help": "LongBench folder holding <task>.jsonl files (longbench only)"},
         "task",
     ),
+    (
+        ("--predictor",),
+        {
+            "type": Path,
+            "default": None,
+            "help": "perplexity / fidelity: the learned policies' predictor file from 'caote calibrate' (default: "
+            "the one committed for the model)",
+        },
+        "task",
+    ),
     (("--tasks",), {"default": None, "help": "comma list of tasks (ruler, longbench); default: all"}, "task"),
     (
         ("--depths",),

@@ -48,6 +48,7 @@ class EvalConfig:
     max_new_tokens: int | None = None
     threads: int | None = None
     summarise_only: bool = False
+    predictor: Path | None = None  # texts tasks: the learned policies' predictor file (None: the model's committed one)
 
 
 def _int_list(option: str, text: str, minimum: int = 1) -> list[int]:
@@ -108,6 +109,11 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         raise ValueError(f"--quick applies to '{REPORT}' only")
     if args.summarise_only and benchmark != REPORT:
         raise ValueError(f"--summarise-only applies to '{REPORT}' only")
+    predictor = getattr(args, "predictor", None)
+    if predictor is not None and (task is None or task.texts is None):
+        raise ValueError("--predictor applies to the texts tasks (perplexity, fidelity) only")
+    if predictor is not None and not Path(predictor).is_file():
+        raise ValueError(f"--predictor: {str(predictor)!r} is not a file; write one with 'caote calibrate'")
     grid = "quick" if args.quick else (args.grid or "full")
     if args.quick and args.grid not in (None, "quick"):
         raise ValueError(f"--quick is --grid quick; it contradicts --grid {args.grid}")
@@ -159,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         max_new_tokens=max_new_tokens,
         threads=threads,
         summarise_only=bool(args.summarise_only),
+        predictor=predictor,
         quick=grid == "quick",
         docs=None if args.docs is None else Path(args.docs),
         grid=grid,

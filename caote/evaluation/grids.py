@@ -81,15 +81,15 @@ STANDARD_GRID = Grid(
             lengths=(1024,),
             samples=20,
             # ablation: rss vs mean over a KV group (not for H2O: its rows cost the most, and the ablation asks the
-            # same question of every base)
-            extra_policies=("tova+caote/mean", "snapkv+caote/mean"),
+            # same question of every base); the learned base plain and with FastCAOTE beside learned+caote
+            extra_policies=("tova+caote/mean", "snapkv+caote/mean", "learned", "learned+fastcaote"),
         ),
         GridPart(
             "niah", lengths=(1024,), samples=2, depths=(20, 40, 60, 80, 90), protocols=("in-prompt", "question-after")
         ),
     ),
     policies=tuple(expand_policies("paper")) + ("oracle",),
-    beyond=("caote-window", "caote-block", "caote-ahead"),
+    beyond=("caote-window", "caote-block", "caote-ahead", "learned+caote"),
     notes=(
         "RULER-style tasks are not in this grid: with the bundled 135M model the full cache itself scores 0 on them "
         "(the quick grid's rows, in git history), so they cannot separate policies; `--grid full` keeps them for "

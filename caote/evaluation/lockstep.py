@@ -40,14 +40,18 @@ from caote.settings import CacheSettings
 EVAL_DECODE_EVICTION_INTERVAL = 1
 
 
-def cell_settings(policy: str, budget: int | None, block_size: int = DEFAULT_BLOCK_SIZE) -> CacheSettings:
+def cell_settings(
+    policy: str, budget: int | None, block_size: int = DEFAULT_BLOCK_SIZE, predictor: str | None = None
+) -> CacheSettings:
     """The cache settings of one policy x budget cell, for texts and examples alike: `UNBOUNDED` for the reference
-    (``None``), the paper's one token evicted per decode step, the library's defaults otherwise."""
+    (``None``), the paper's one token evicted per decode step, the library's defaults otherwise (``predictor``: the
+    learned policies' file, None for the model's committed one)."""
     return CacheSettings(
         budget=UNBOUNDED if budget is None else budget,
         policy=policy,
         block_size=block_size,
         decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
+        predictor=predictor,
     )
 
 
@@ -177,6 +181,7 @@ def track(
     policy: str,
     budget: int | None,
     skip_prefix: bool = True,
+    predictor: str | None = None,
 ) -> dict:
     """One policy x budget over ``input_ids`` against ``reference``: PPL, KL, fidelity and per-block series.
     ``skip_prefix`` takes the blocks before the first eviction from the reference (see `skippable_blocks`)."""
@@ -187,7 +192,9 @@ def track(
     began = time.perf_counter()
     with ExitStack() as stack, torch.no_grad():
         cache = stack.enter_context(
-            EvictionCache(model, cell_settings(policy, budget, reference.block_size), future=reference.future)
+            EvictionCache(
+                model, cell_settings(policy, budget, reference.block_size, predictor), future=reference.future
+            )
         )
         capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
         tally = _Tally(FidelityMeter(len(capture.modules)) if capture is not None else None)
@@ -259,6 +266,7 @@ def lockstep_results(
     block_size: int = DEFAULT_BLOCK_SIZE,
     fidelity: bool = False,
     skip_prefix: bool = True,
+    predictor: str | None = None,
 ) -> Iterator[dict]:
     """One full-cache pass over ``input_ids`` ``(1, T)``, then the result of every ``(policy, budget)`` in ``runs``,
     yielded as soon as it is computed (so a caller can save each one), each with the full cache's PPL."""
@@ -269,7 +277,7 @@ def lockstep_results(
     reference = reference_pass(model, input_ids, block_size, fidelity, needs_future, {s - 1 for s in starts if s})
     reference_seconds = time.perf_counter() - began
     for policy, budget in runs:
-        result = track(model, input_ids, reference, policy, budget, skip_prefix)
+        result = track(model, input_ids, reference, policy, budget, skip_prefix, predictor)
         if budget is None:  # the full row carries the cost of the shared full-cache pass
             result["seconds"] = round(result["seconds"] + reference_seconds, 3)
         yield result

@@ -8,24 +8,40 @@ three, ``fidelity`` only the last.
 
 from __future__ import annotations
 
-from caote.evaluation.data import essay_excerpts
+from caote.evaluation.data import code_excerpts, essay_excerpts
 from caote.evaluation.reference import FULL
 from caote.evaluation.tasks import MetricSpec, Task, Text, joined
 
 DEFAULT_TEXTS = 2
 
 
-def texts(tokenizer, lengths: list[int], samples: int, split: str = "test", seed: int = 0) -> list[Text]:
-    """``samples`` excerpts of each length (tokens), one per distinct essay while there are enough (see
-    `essay_excerpts`), ids ``essay-<name>-<length>`` (``-2`` for an essay's second excerpt)."""
+DOMAINS = ("essays", "code")  # the kinds of text (`caote.evaluation.data`): Paul Graham essays, Python source
+
+
+def domain_texts(
+    tokenizer, domain: str, lengths: list[int], samples: int | None, split: str = "test", seed: int = 0, every=False
+) -> list[Text]:
+    """``samples`` excerpts of each length (tokens) of ``domain``, one per distinct document while there are enough
+    (`caote.evaluation.data.document_excerpts`; ``every``: all non-overlapping excerpts), ids
+    ``essay-<name>-<length>`` or ``code-<module>-<length>`` (``-k`` for a document's k-th excerpt)."""
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; expected one of {', '.join(DOMAINS)}")
+    excerpts = essay_excerpts if domain == "essays" else code_excerpts
+    prefix = "essay" if domain == "essays" else "code"
     result = []
     for length in lengths:
-        seen = set()
-        for essay, text in essay_excerpts(tokenizer, length, samples, split, seed):
-            text_id = f"essay-{essay}-{length}" + ("-2" if essay in seen else "")
-            seen.add(essay)
-            result.append(Text(text_id, length, text, essay))
+        seen: dict[str, int] = {}
+        for unit, text in excerpts(tokenizer, length, None if every else samples, split, seed):
+            seen[unit] = seen.get(unit, 0) + 1
+            stem = unit.removesuffix(".py")
+            text_id = f"{prefix}-{stem}-{length}" + (f"-{seen[unit]}" if seen[unit] > 1 else "")
+            result.append(Text(text_id, length, text, unit))
     return result
+
+
+def texts(tokenizer, lengths: list[int], samples: int, split: str = "test", seed: int = 0) -> list[Text]:
+    """``samples`` essay excerpts of each length (`domain_texts`)."""
+    return domain_texts(tokenizer, "essays", lengths, samples, split, seed)
 
 
 def config_texts(config, tokenizer) -> list[Text]:

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from caote.defaults import DEFAULT_BLOCK_SIZE
+from caote.evaluation.calibration import check_disjoint
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.data import prompt_text
 from caote.evaluation.examples import PROTOCOLS, Example
@@ -29,7 +30,9 @@ from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import RowStore, code_commit, row_key
 from caote.evaluation.tasks import Text
 from caote.generation import generate_ids
+from caote.learned import Predictor
 from caote.pipeline import CaoteTextGenerationPipeline
+from caote.policies import parse_policy
 
 
 def progress_bar(total: int, description: str, enabled: bool, rank: int):
@@ -226,6 +229,9 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
     every finished row). ``bar`` (see `run_rows`) advances per row saved or found done."""
     mine = texts[rank::world]
     policies = with_reference(config.policies)
+    predictor = None if config.predictor is None else str(config.predictor)
+    if any(parse_policy(policy).evicts and parse_policy(policy).base.schedule == "learned" for policy in policies):
+        check_disjoint(Predictor.for_model(model, predictor), [text.id for text in texts])  # never seen in calibration
     runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
     with RowStore(config.out, rank) as store:
         own_bar = bar is None
@@ -239,7 +245,10 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
             if not pending:
                 continue
             ids = tokenizer(text, return_tensors="pt").input_ids
-            for result in lockstep_results(model, ids, pending, block_size=config.block_size, fidelity=True):
+            results = lockstep_results(
+                model, ids, pending, block_size=config.block_size, fidelity=True, predictor=predictor
+            )
+            for result in results:
                 store.append(
                     {
                         "key": row_key(config.model, text_id, result["policy"], result["budget"]),

@@ -1,0 +1,279 @@
+"""``caote calibrate``: fit the ``learned`` policy's importance predictor (`caote.learned`) to the hindsight oracle.
+
+For every calibration text, a full-cache pass records the attention each token receives from later queries
+(`caote.future`); then the text is read again under an evicting cache at each calibration budget, whose every
+eviction hands the candidates' features (what the learned policy will see) and targets ``log(1e-6 + future mass)``
+to a `Collector`. The rollout evicts by CAOTE over the KV group's mean H2O mass (the predictor does not exist yet),
+so the features come from the kind of cache the policy will run in. Per (layer, KV head) the collector keeps only
+the normal equations of the rows demeaned within their (layer, head, eviction) group — ``X^T X``, ``X^T y``,
+``y^T y`` — so memory does not grow with the amount of text. The ridge strength of each head is the one with the
+smallest squared error on held-out texts (computed from their normal equations), and the final fit uses every text.
+
+Calibration texts are never evaluation texts: they come from the dev split (`check_disjoint` is asked by the
+evaluation before it runs a learned policy).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from caote.cache import EvictionCache
+from caote.defaults import DEFAULT_BLOCK_SIZE
+from caote.evaluation.data import split_of
+from caote.evaluation.lockstep import reference_pass
+from caote.learned import (
+    DEFAULT_GROUPS,
+    EPSILON,
+    LEARNED_RECENT,
+    LayerPredictor,
+    Predictor,
+    feature_names,
+    model_fingerprint,
+    rotary_inverse,
+)
+from caote.settings import CacheSettings
+
+CALIBRATION_BUDGETS = (128, 256, 512)
+RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+HELD_OUT_EVERY = 4  # every 4th calibration text chooses the ridge strengths
+ROLLOUT = "learned+caote"  # with the collector standing in for the predictor: CAOTE over the group's H2O mass
+
+
+@dataclass
+class NormalEquations:
+    """``X^T X``, ``X^T y``, ``y^T y`` and the row count of one (layer, KV head), in float64."""
+
+    xtx: torch.Tensor
+    xty: torch.Tensor
+    yty: float = 0.0
+    rows: int = 0
+
+    @classmethod
+    def empty(cls, width: int) -> NormalEquations:
+        return cls(torch.zeros(width, width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64))
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.xtx += x.T @ x
+        self.xty += x.T @ y
+        self.yty += float(y @ y)
+        self.rows += x.shape[0]
+
+    def __iadd__(self, other: NormalEquations) -> NormalEquations:
+        self.xtx += other.xtx
+        self.xty += other.xty
+        self.yty += other.yty
+        self.rows += other.rows
+        return self
+
+    def solve(self, strength: float) -> torch.Tensor:
+        """Ridge weights on standardised columns (each scaled by its root mean square), returned unscaled."""
+        scale = (self.xtx.diagonal() / max(self.rows, 1)).sqrt().clamp_min(1e-8)
+        gram = self.xtx / (scale[:, None] * scale[None, :]) / max(self.rows, 1)
+        gram += strength * torch.eye(gram.shape[0], dtype=gram.dtype)
+        weights = torch.linalg.solve(gram, self.xty / scale / max(self.rows, 1))
+        return weights / scale
+
+    def squared_error(self, weights: torch.Tensor) -> float:
+        """Mean squared error of ``weights`` on these rows: ``(y^T y - 2 w^T X^T y + w^T X^T X w) / n``."""
+        error = self.yty - 2 * float(weights @ self.xty) + float(weights @ self.xtx @ weights)
+        return error / max(self.rows, 1)
+
+
+@dataclass
+class Collector:
+    """Stands in for a predictor during calibration: at each eviction it records every candidate's features and
+    target (`NormalEquations` per part, layer and KV head) and ranks by the KV group's mean H2O mass."""
+
+    groups: tuple[str, ...]
+    width: int
+    recent: int
+    sink_tokens: int
+    part: str = "fit"
+    equations: dict = field(default_factory=dict)  # (part, layer, head) -> NormalEquations
+
+    def layer(self, index: int, unrotate, sink_tokens: int) -> CollectingLayer:
+        return CollectingLayer(self, index, unrotate)
+
+    def record(self, index: int, features: torch.Tensor, target: torch.Tensor, candidates: torch.Tensor) -> None:
+        """Demean ``features`` ``(B, H, N, F)`` and ``target`` ``(B, H, N)`` over each head's ``candidates`` and
+        add them to that head's normal equations."""
+        features, target = features.double().cpu(), target.double().cpu()
+        candidates = candidates.cpu()
+        for batch in range(features.shape[0]):
+            for head in range(features.shape[1]):
+                chosen = candidates[batch, head]
+                if int(chosen.sum()) < 2:
+                    continue
+                x, y = features[batch, head][chosen], target[batch, head][chosen]
+                key = (self.part, index, head)
+                if key not in self.equations:
+                    self.equations[key] = NormalEquations.empty(self.width)
+                self.equations[key].add(x - x.mean(0), y - y.mean())
+
+
+class CollectingLayer(LayerPredictor):
+    def __init__(self, collector: Collector, index: int, unrotate):
+        super().__init__(None, collector.groups, unrotate, collector.sink_tokens)
+        self.collector, self.index = collector, index
+
+    def predict(self, inputs) -> torch.Tensor:
+        features = self.features(inputs)
+        positions = inputs.positions
+        newest = positions.amax(-1, keepdim=True)
+        candidates = (positions >= self.sink_tokens) & (positions <= newest - self.collector.recent)
+        target = torch.log(inputs.future.float() + EPSILON)
+        self.collector.record(self.index, features, target, candidates)
+        history = inputs.history[:, :, 0]  # the rollout: the group's mean H2O mass
+        kv_heads = inputs.values.shape[1]
+        mass = history.view(history.shape[0], kv_heads, -1, history.shape[-1]).mean(2)
+        return torch.log(mass.float() + EPSILON)
+
+
+def calibration_texts(tokenizer, domain: str, length: int, count: int | None = None, seed: int = 0) -> list:
+    """Texts of the dev split of ``domain`` (``essays`` or ``code``): the non-overlapping excerpts of ``length``
+    tokens (`caote.evaluation.tasks.Text`; the first excerpt of every document, then the second, ...), the first
+    ``count`` of them (None: all)."""
+    from caote.evaluation.perplexity import domain_texts
+
+    return domain_texts(tokenizer, domain, [length], None, "dev", seed, every=True)[:count]
+
+
+def folder_texts(tokenizer, folder, length: int, count: int | None = None) -> list:
+    """Every non-overlapping excerpt of ``length`` tokens of the ``.txt`` files of ``folder`` (ids
+    ``file-<name>-<length>[-k]``): the user's own calibration texts."""
+    from caote.evaluation.data import document_excerpts
+    from caote.evaluation.tasks import Text
+
+    documents = [
+        (path.stem, path.read_text(encoding="utf-8", errors="replace")) for path in sorted(folder.glob("*.txt"))
+    ]
+    if not documents:
+        raise ValueError(f"no .txt files in {str(folder)!r}")
+    excerpts = document_excerpts(tokenizer, documents, length, count, 0, str(folder), sentence_boundary=False)
+    seen: dict[str, int] = {}
+    texts = []
+    for unit, text in excerpts:
+        seen[unit] = seen.get(unit, 0) + 1
+        texts.append(Text(f"file-{unit}-{length}" + (f"-{seen[unit]}" if seen[unit] > 1 else ""), length, text, unit))
+    return texts
+
+
+def check_calibration_texts(texts) -> None:
+    """Refuse any text of an evaluation split: calibration reads dev-split essays or code only (a text from a
+    folder, whose id is neither ``essay-`` nor ``code-``, is the user's own)."""
+    test = [
+        text.id
+        for text in texts
+        if text.id.startswith(("essay-", "code-"))
+        and split_of(text.unit + ".txt" if text.id.startswith("essay-") else text.unit) != "dev"
+    ]
+    if test:
+        raise ValueError(
+            f"calibration texts must come from the dev split; {len(test)} are evaluation texts ({', '.join(test[:3])})"
+        )
+
+
+def check_disjoint(predictor: Predictor, text_ids) -> None:
+    """Refuse to evaluate a learned policy on a text its predictor was calibrated on."""
+    shared = sorted(set(predictor.texts) & set(text_ids))
+    if shared:
+        raise ValueError(
+            f"the predictor was calibrated on {len(shared)} of the texts to evaluate ({', '.join(shared[:3])}...): "
+            "calibrate on the dev split and evaluate on test"
+        )
+
+
+def calibrate(
+    model,
+    tokenizer,
+    texts: list,
+    budgets=CALIBRATION_BUDGETS,
+    groups: tuple[str, ...] = DEFAULT_GROUPS,
+    recent_window: int | float = LEARNED_RECENT,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    progress: bool = True,
+    model_name: str | None = None,
+) -> Predictor:
+    """Fit a `Predictor` for ``model`` on ``texts`` (`caote.evaluation.tasks.Text`, never a test-split text: see
+    the module docstring), under rollouts at every budget of ``budgets``, protecting ``recent_window`` newest
+    tokens (a float: a share of the budget, as H2O)."""
+    check_calibration_texts(texts)
+    if "key" in groups:
+        rotary_inverse(model)  # refuses a model without RoPE before any work
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width = len(feature_names(groups, head_dim))
+    began = time.perf_counter()
+    collectors = []
+    bar = tqdm(total=len(texts) * len(budgets), desc="caote calibrate", unit="run", disable=not progress)
+    for number, text in enumerate(texts):
+        ids = tokenizer(text.text, return_tensors="pt", add_special_tokens=False).input_ids
+        reference = reference_pass(model, ids, block_size, future=True, states=set())
+        for budget in budgets:
+            settings = CacheSettings(budget=budget, policy=ROLLOUT, block_size=block_size, recent_window=None)
+            if isinstance(recent_window, int):
+                settings = settings.replace(recent_window=recent_window)
+            else:
+                settings = settings.replace(recent_window=int(recent_window * budget))
+            collector = Collector(groups, width, settings.recent, settings.sink_tokens)
+            collector.part = "held_out" if number % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
+            with ExitStack() as stack, torch.no_grad():
+                cache = stack.enter_context(
+                    EvictionCache(model, settings, future=reference.future, predictor=collector)
+                )
+                for start in range(0, ids.shape[1], block_size):
+                    model.get_decoder()(input_ids=ids[:, start : start + block_size], cache=cache, use_cache=True)
+            collectors.append(collector)
+            bar.update()
+    bar.close()
+    return _fit(model, collectors, groups, width, texts, budgets, recent_window, began, model_name)
+
+
+def _fit(model, collectors, groups, width, texts, budgets, recent_window, began, model_name) -> Predictor:
+    totals: dict = {}
+    for collector in collectors:
+        for key, equations in collector.equations.items():
+            if key not in totals:
+                totals[key] = NormalEquations.empty(width)
+            totals[key] += equations
+    layers = sorted({layer for _, layer, _ in totals})
+    heads = sorted({head for _, _, head in totals})
+    weights = torch.zeros(len(model.model.layers), len(heads), width)
+    chosen, held_out_error, baseline_error = {}, [], []
+    for layer in layers:
+        for head in heads:
+            fit = totals.get(("fit", layer, head))
+            held = totals.get(("held_out", layer, head))
+            if fit is None:
+                continue
+            if held is not None and held.rows:
+                errors = {strength: held.squared_error(fit.solve(strength)) for strength in RIDGE_STRENGTHS}
+                strength = min(errors, key=errors.get)
+                held_out_error.append(errors[strength])
+                baseline_error.append(held.yty / held.rows)
+            else:
+                strength = 1e-2
+            every = NormalEquations.empty(width)
+            every += fit
+            if held is not None:
+                every += held
+            weights[layer, head] = every.solve(strength).float()
+            chosen[f"{layer}.{head}"] = strength
+    rows = sum(equations.rows for key, equations in totals.items() if key[0] == "fit")
+    details = {
+        "budgets": list(budgets),
+        "ridge": chosen,
+        "rows": rows,
+        "held_out_mse": sum(held_out_error) / max(len(held_out_error), 1),
+        "held_out_variance": sum(baseline_error) / max(len(baseline_error), 1),
+        "seconds": round(time.perf_counter() - began, 1),
+    }
+    name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return Predictor(
+        weights, tuple(groups), name, model_fingerprint(model), [text.id for text in texts], details, recent_window
+    )

@@ -1,0 +1,289 @@
+"""The ``learned`` base score: each token's *future* attention, predicted from what the cache knows when it evicts.
+
+The hindsight oracle (`caote.future`) keeps the tokens later queries will attend to; no causal score sees those
+queries. A per-(layer, KV head) linear map from causal features ``x_j`` of a token to the log of the attention it
+will receive from all later queries, fitted once per model to the oracle's targets (`caote.calibration`, ``caote
+calibrate``), predicts it instead:
+
+    log F_j ~ w_h . x_j          learned:  h_j = exp(w_h . x_j)          learned+caote:  a = h / sum(h)
+
+The features (`FEATURE_GROUPS`) are what an evicting layer already holds: H2O's running sum, the newest prompt
+block's mean and maximum attention (a decode step: those of the newest decoded queries), the newest 16 rows, the
+token's age and position, its value norm and CAOTE error, and its key with RoPE undone by position; a few squares and
+products let a linear map bend. Only the ranking inside one (layer, head, step) matters, so targets and features are
+demeaned per group when fitting, and no intercept is kept. Unlike every other base this one is not training-free: a
+model needs a predictor file (`Predictor`; the bundled model ships one).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from caote.scoring import caote_errors, group_query_heads, normalise_weights
+
+FEATURE_SET = "caote-learned-1"  # bump when the features below change: a predictor of another set is refused
+RECENT_ROWS = 16  # the newest query rows the features read
+# newest tokens the learned policies protect (and calibration assumes): 16 gave lower KL than H2O's half budget
+# on 6 test essays at budgets 128 and 256 (docs/results.md, "Learned from hindsight")
+LEARNED_RECENT = 16
+EPSILON = 1e-6  # inside every log of an attention mass (the target's too)
+SCALARS = (
+    "log_sum",
+    "log_sum_per_query",
+    "log_block_mean",
+    "log_block_max",
+    "log_recent_mean",
+    "log_recent_max",
+    "log_newest",
+    "log_age",
+    "log_position",
+    "log_value_norm",
+    "log_caote",
+    "new",
+    "sink",
+)
+SQUARED = SCALARS[:11]  # the continuous scalars, squared
+PRODUCTS = (("log_sum", "log_age"), ("log_block_mean", "log_age"), ("log_sum", "log_block_mean"),
+            ("log_value_norm", "log_sum"))  # fmt: skip
+FEATURE_GROUPS = ("scalars", "key", "value")  # scalars (+ squares, products); the pre-RoPE key and its squares; value
+DEFAULT_GROUPS = ("scalars", "key")
+PREDICTOR_DIR = Path(__file__).parent / "predictors"  # the committed predictors (bundled model)
+
+
+def feature_names(groups: tuple[str, ...], head_dim: int) -> list[str]:
+    """Names of the feature columns of ``groups``, in column order."""
+    names = []
+    if "scalars" in groups:
+        names += list(SCALARS) + [f"{name}^2" for name in SQUARED] + [f"{a}*{b}" for a, b in PRODUCTS]
+    if "key" in groups:
+        names += [f"key{i}" for i in range(head_dim)] + [f"key{i}^2" for i in range(head_dim)]
+    if "value" in groups:
+        names += [f"value{i}" for i in range(head_dim)]
+    return names
+
+
+def _log(mass: torch.Tensor) -> torch.Tensor:
+    return torch.log(mass.clamp_min(0.0) + EPSILON)
+
+
+def token_features(inputs, groups: tuple[str, ...], unrotate: Callable | None, sink_tokens: int) -> torch.Tensor:
+    """``(B, H_kv, N, F)`` float32 features of every token a layer holds (`caote.policies.ScoreInputs`, whose
+    ``history`` is `caote.history.SumAndRecent`'s), columns as `feature_names`."""
+    history = inputs.history.float()
+    batch, query_heads, _, tokens = history.shape
+    kv_heads = inputs.values.shape[1]
+
+    def per_kv_head(rows: torch.Tensor) -> torch.Tensor:  # (B, H_q, N) -> (B, H_kv, N): the group's mean
+        return rows.view(batch, kv_heads, query_heads // kv_heads, tokens).mean(2)
+
+    positions = inputs.positions
+    newest = positions.amax(-1, keepdim=True)
+    seen_by = (newest + 1 - positions).clamp_min(1).float()  # queries that have seen the token (itself included)
+    recent = history[:, :, 3:]
+    recent_seen = seen_by.clamp_max(recent.shape[2])
+    recent_mean = per_kv_head(recent.sum(2)) / recent_seen
+    recent_max = per_kv_head(recent.amax(2))
+    if inputs.new_tokens > 1:  # a prompt block: its own mean and maximum over the queries that see the token
+        block_mean = per_kv_head(history[:, :, 1]) / seen_by.clamp_max(inputs.new_tokens)
+        block_max = per_kv_head(history[:, :, 2])
+    else:  # a decode step: the newest decoded queries stand in for the block
+        block_mean, block_max = recent_mean, recent_max
+    columns: list[torch.Tensor] = []
+    if "scalars" in groups:
+        total = per_kv_head(history[:, :, 0])
+        sums = group_query_heads(history[:, :, 0], kv_heads)
+        if inputs.real is not None:
+            sums = sums.masked_fill(~inputs.real.unsqueeze(2), float("-inf"))
+        weights = normalise_weights(sums, padded=inputs.real is not None)
+        caote = caote_errors(weights, inputs.values.unsqueeze(2)).square().sum(2).sqrt()  # rss over the group
+        scalar = {
+            "log_sum": _log(total),
+            "log_sum_per_query": _log(total / seen_by),
+            "log_block_mean": _log(block_mean),
+            "log_block_max": _log(block_max),
+            "log_recent_mean": _log(recent_mean),
+            "log_recent_max": _log(recent_max),
+            "log_newest": _log(per_kv_head(recent[:, :, -1])),
+            "log_age": torch.log1p((newest - positions).clamp_min(0).float()),
+            "log_position": torch.log1p(positions.clamp_min(0).float()),
+            "log_value_norm": _log(torch.linalg.vector_norm(inputs.values.float(), dim=-1)),
+            "log_caote": _log(caote.float()),
+            "new": (positions > newest - inputs.new_tokens).float(),
+            "sink": (positions < sink_tokens).float(),
+        }
+        columns += [scalar[name] for name in SCALARS]
+        columns += [scalar[name].square() for name in SQUARED]
+        columns += [scalar[a] * scalar[b] for a, b in PRODUCTS]
+    stacked = [torch.stack(columns, dim=-1)] if columns else []
+    if "key" in groups:
+        key = unrotate(inputs.keys.float(), positions.clamp_min(0))
+        stacked += [key, key.square()]
+    if "value" in groups:
+        stacked.append(inputs.values.float())
+    return torch.cat(stacked, dim=-1)
+
+
+def rotary_inverse(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(keys (B, H, N, d), positions (B, H, N)) -> keys before RoPE``, by the model's own rotary embedding: RoPE
+    turns each pair of key channels by the angle of the token's position (``k cos + rotate_half(k) sin``), so turning
+    back by the same angle (``k cos - rotate_half(k) sin``, divided by ``cos^2 + sin^2`` for scaled variants)
+    restores the key the projection wrote."""
+    rotary = next((module for name, module in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is None:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding: the learned policy reads pre-RoPE keys")
+
+    def unrotate(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        batch, heads, tokens, dim = keys.shape
+        flat = positions.reshape(batch * heads, tokens)
+        cos, sin = rotary(keys, flat)
+        cos, sin = cos.view(batch, heads, tokens, -1).float(), sin.view(batch, heads, tokens, -1).float()
+        half = keys.shape[-1] // 2
+        turned = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
+        return (keys * cos - turned * sin) / (cos * cos + sin * sin)
+
+    return unrotate
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short id of a model's architecture and weights, the same in every dtype: the shapes of its config and the
+    mean absolute value of its first embedding rows, to three significant digits (base and instruct models of one
+    architecture differ there)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    embedding = model.get_input_embeddings().weight[:64].detach().float()
+    shape = [
+        config.model_type,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", config.num_attention_heads),
+        config.hidden_size,
+        config.vocab_size,
+        f"{embedding.abs().mean().item():.3g}",
+    ]
+    return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Predictor:
+    """Per-(layer, KV head) weights ``(L, H_kv, F)`` over the features of ``groups`` and what they were fitted on."""
+
+    weights: torch.Tensor
+    groups: tuple[str, ...]
+    model: str
+    fingerprint: str
+    texts: list[str]  # the calibration texts' ids (never an evaluated text: `caote.calibration.check_disjoint`)
+    details: dict  # how it was calibrated (budgets, ridge strengths, held-out losses, seconds)
+    recent_window: int | float | None = None  # the protected window it was calibrated under
+
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metadata = {
+            "feature_set": FEATURE_SET,
+            "groups": json.dumps(list(self.groups)),
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "texts": json.dumps(self.texts),
+            "details": json.dumps(self.details),
+            "recent_window": json.dumps(self.recent_window),
+        }
+        save_file({"weights": self.weights.float().contiguous()}, str(path), metadata=metadata)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Predictor:
+        """The predictor saved at ``path`` (read once per file version: caches are built often, e.g. per grid cell)."""
+        try:
+            stamp = Path(path).stat().st_mtime_ns
+        except OSError as error:
+            raise ValueError(f"cannot read predictor {str(path)!r}: {error.strerror}") from None
+        return _read_predictor(str(path), stamp)
+
+    @classmethod
+    def read(cls, path: str) -> Predictor:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as file:
+                metadata = file.metadata() or {}
+                weights = file.get_tensor("weights")
+        except (OSError, RuntimeError, ValueError) as error:
+            raise ValueError(f"cannot read predictor {str(path)!r}: {str(error).splitlines()[0]}") from None
+        if metadata.get("feature_set") != FEATURE_SET:
+            raise ValueError(
+                f"predictor {str(path)!r} has feature set {metadata.get('feature_set')!r}, this caote reads "
+                f"{FEATURE_SET!r}: calibrate it again with `caote calibrate`"
+            )
+        return cls(
+            weights=weights,
+            groups=tuple(json.loads(metadata["groups"])),
+            model=metadata["model"],
+            fingerprint=metadata["fingerprint"],
+            texts=json.loads(metadata["texts"]),
+            details=json.loads(metadata["details"]),
+            recent_window=json.loads(metadata.get("recent_window", "null")),
+        )
+
+    @classmethod
+    def for_model(cls, model: nn.Module, path: str | Path | None = None) -> Predictor:
+        """The predictor at ``path``, or the committed one calibrated for ``model``; a one-line `ValueError` when
+        there is none or it was calibrated for another model."""
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        fingerprint = model_fingerprint(model)
+        if path is not None:
+            predictor = cls.load(path)
+            if predictor.fingerprint != fingerprint:
+                raise ValueError(
+                    f"predictor {str(path)!r} was calibrated for {predictor.model!r}, not this model ({name!r}); "
+                    f"calibrate one with: caote calibrate --model <this model> --out FILE"
+                )
+            return predictor
+        for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors")):
+            predictor = cls.load(candidate)
+            if predictor.fingerprint == fingerprint:
+                return predictor
+        raise ValueError(
+            f"policy 'learned' needs a predictor calibrated for {name!r}: run `caote calibrate --model <model> --out "
+            "FILE` and pass predictor=FILE (--predictor FILE); only the bundled model ships one"
+        )
+
+    def layer(self, index: int, unrotate: Callable | None, sink_tokens: int) -> LayerPredictor:
+        return LayerPredictor(self.weights[index], self.groups, unrotate, sink_tokens)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_predictor(path: str, stamp: int) -> Predictor:
+    return Predictor.read(path)
+
+
+class LayerPredictor:
+    """One layer's map from features to predicted log future mass: ``(B, H_kv, N, F) @ (H_kv, F)``."""
+
+    def __init__(self, weights: torch.Tensor, groups: tuple[str, ...], unrotate: Callable | None, sink_tokens: int):
+        self.weights, self.groups, self.unrotate, self.sink_tokens = weights, groups, unrotate, sink_tokens
+
+    def features(self, inputs) -> torch.Tensor:
+        return token_features(inputs, self.groups, self.unrotate, self.sink_tokens)
+
+    def predict(self, inputs) -> torch.Tensor:
+        """``(B, H_kv, N)`` predicted log future mass of every token held."""
+        features = self.features(inputs)
+        weights = self.weights.to(features.device)
+        return torch.einsum("bhnf,hf->bhn", features, weights)
+
+
+def learned_score(inputs) -> torch.Tensor:
+    """The predicted future mass ``exp(w_h . x_j)`` ``(B, H_kv, N)``, scaled so that its largest entry is 1."""
+    predicted = inputs.predictor.predict(inputs)
+    if inputs.real is not None:
+        predicted = predicted.masked_fill(~inputs.real, float("-inf"))
+    return torch.exp(predicted - predicted.amax(-1, keepdim=True))

@@ -1,0 +1,145 @@
+"""The ``learned`` policy: features, the predictor file, calibration's fit and split guard, and the policy grammar."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import RandomIds, greedy, random_ids, tiny_model
+
+from caote.cache import EvictionCache
+from caote.evaluation.calibration import (
+    NormalEquations,
+    calibrate,
+    calibration_texts,
+    check_calibration_texts,
+    check_disjoint,
+)
+from caote.evaluation.tasks import Text
+from caote.history import AttentionSum, RecentRows, SumAndRecent
+from caote.learned import PREDICTOR_DIR, Predictor, feature_names, model_fingerprint, rotary_inverse
+from caote.policies import parse_policy, policy_names
+from caote.settings import CacheSettings
+
+
+def test_ridge_on_demeaned_groups_ranks_a_synthetic_case_right():
+    generator = torch.Generator().manual_seed(0)
+    truth = torch.tensor([2.0, -1.0, 0.0, 0.5], dtype=torch.float64)
+    fit, held = NormalEquations.empty(4), NormalEquations.empty(4)
+    for group in range(40):
+        x = torch.randn(50, 4, generator=generator, dtype=torch.float64)
+        offset = torch.randn(1, generator=generator, dtype=torch.float64) * 10  # a group-wide shift: irrelevant
+        y = x @ truth + offset + 0.1 * torch.randn(50, generator=generator, dtype=torch.float64)
+        (held if group % 4 == 3 else fit).add(x - x.mean(0), y - y.mean())
+    weights = fit.solve(1e-4)
+    assert torch.allclose(weights, truth, atol=0.05)
+    assert held.squared_error(weights) < 0.02 < held.squared_error(fit.solve(10.0))
+    x = torch.randn(30, 4, generator=generator, dtype=torch.float64)
+    assert torch.equal((x @ weights).topk(10).indices.sort().values, (x @ truth).topk(10).indices.sort().values)
+
+
+def test_sum_and_recent_keeps_h2os_sum_the_block_and_the_newest_rows():
+    rows = [torch.rand(1, 2, 5, 5 * (step + 1)) for step in range(3)] + [torch.rand(1, 2, 1, 16)]
+    history = total = recent = None
+    for block in rows:
+        history = SumAndRecent(4).fold(history, block)
+        total = AttentionSum().fold(total, block)
+        recent = RecentRows(4).fold(recent, block)
+    assert torch.allclose(history[:, :, 0], total) and torch.equal(history[:, :, 3:], recent)
+    last_block = torch.nn.functional.pad(rows[2], (0, 1))  # the decode step keeps the prompt block's statistics
+    assert torch.allclose(history[:, :, 1], last_block.sum(2)) and torch.equal(history[:, :, 2], last_block.amax(2))
+
+
+def test_rope_is_undone_by_position(llama):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    keys = torch.randn(1, 2, 7, llama.config.head_dim)
+    positions = torch.tensor([[3, 0, 9, 4, 100, 5, 6], [1, 2, 3, 4, 5, 6, 70]]).unsqueeze(0)
+    cos, sin = llama.model.rotary_emb(keys, positions.view(2, 7))
+    rotated = torch.stack(
+        [apply_rotary_pos_emb(keys[:, h : h + 1], keys[:, h : h + 1], cos[h : h + 1], sin[h : h + 1])[1][0, 0]
+         for h in range(2)]
+    ).unsqueeze(0)  # fmt: skip
+    assert torch.allclose(rotary_inverse(llama)(rotated, positions), keys, atol=1e-5)
+
+
+def calibrated(model, tmp_path, groups=("scalars", "key")) -> str:
+    texts = [Text(f"mine-{i}", 96, "x" * (i + 1), f"mine-{i}") for i in range(4)]
+    predictor = calibrate(model, RandomIds(96), texts, budgets=(40,), groups=groups, block_size=32, progress=False)
+    return str(predictor.save(tmp_path / "tiny.safetensors"))
+
+
+def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tmp_path):
+    path = calibrated(llama, tmp_path)
+    predictor = Predictor.load(path)
+    width = len(feature_names(("scalars", "key"), llama.config.head_dim))
+    assert predictor.weights.shape == (llama.config.num_hidden_layers, llama.config.num_key_value_heads, width)
+    assert torch.isfinite(predictor.weights).all() and predictor.weights.abs().sum() > 0
+    assert predictor.texts == [f"mine-{i}" for i in range(4)] and predictor.fingerprint == model_fingerprint(llama)
+    assert predictor.details["rows"] > 0 and predictor.details["held_out_mse"] > 0
+    ids = random_ids(80)
+    for name in ("learned", "learned+caote", "learned+fastcaote", "learned+caote/mean"):
+        cache = EvictionCache(llama, CacheSettings(budget=40, policy=name, predictor=path))
+        out = greedy(llama, ids, cache, new_tokens=8)
+        assert out.shape == (1, 88) and cache.stats().tokens_kept == 40, name
+
+
+def test_learned_refuses_a_model_without_a_predictor_in_one_line(llama, tmp_path, tiny_predictors, monkeypatch):
+    path = calibrated(llama, tmp_path)
+    monkeypatch.setattr(Predictor, "for_model", classmethod(tiny_predictors))  # no predictor made on the fly
+    with pytest.raises(ValueError, match="caote calibrate") as error:
+        EvictionCache(llama, budget=40, policy="learned+caote")
+    assert "\n" not in str(error.value)
+    other = tiny_model("llama", seed=1)
+    assert model_fingerprint(other) != model_fingerprint(llama)
+    with pytest.raises(ValueError, match="calibrated for"):
+        EvictionCache(other, CacheSettings(budget=40, policy="learned", predictor=path))
+
+
+def test_a_predictor_of_another_feature_set_is_refused(llama, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = calibrated(llama, tmp_path, groups=("scalars",))
+    with safe_open(path, framework="pt") as file:
+        metadata = dict(file.metadata())
+    save_file(load_file(path), path, metadata={**metadata, "feature_set": "caote-learned-0"})
+    with pytest.raises(ValueError, match="calibrate it again"):
+        Predictor.load(path)
+
+
+def test_calibration_texts_are_dev_split_only_and_never_evaluated(tokenizer):
+    from caote.evaluation.perplexity import domain_texts
+
+    dev = calibration_texts(tokenizer, "essays", 1024, count=3)
+    check_calibration_texts(dev)
+    test = domain_texts(tokenizer, "essays", [1024], 2, "test")
+    with pytest.raises(ValueError, match="dev split"):
+        check_calibration_texts(dev + test)
+    predictor = Predictor(torch.zeros(1, 1, 1), ("scalars",), "m", "f", [text.id for text in dev], {})
+    check_disjoint(predictor, [text.id for text in test])
+    with pytest.raises(ValueError, match="calibrated on 1 of the texts"):
+        check_disjoint(predictor, [dev[0].id, test[0].id])
+
+
+def test_the_committed_predictor_was_calibrated_on_no_text_a_grid_evaluates(tokenizer):
+    from caote.evaluation.data import split_of
+
+    committed = sorted(PREDICTOR_DIR.glob("*.safetensors"))
+    assert committed, "the bundled model's predictor is committed"
+    for path in committed:
+        predictor = Predictor.load(path)
+        assert predictor.texts
+        for text_id in predictor.texts:
+            kind, unit = re.fullmatch(r"(essay|code)-(.+?)-\d+(?:-\d+)?", text_id).groups()
+            assert split_of(unit + (".txt" if kind == "essay" else ".py")) == "dev", text_id
+
+
+def test_the_grammar_names_the_learned_policies_everywhere():
+    names = policy_names()
+    assert {"learned", "learned+caote", "learned+fastcaote"} <= set(names)
+    policy = parse_policy("learned+caote")
+    assert policy.base.schedule == "learned" and policy.transform == "caote" and not policy.base.hindsight
+    with pytest.raises(ValueError, match="did you mean 'learned"):
+        parse_policy("lerned+caote")
