@@ -161,10 +161,10 @@ class EvictionCache(Cache):
     future:
         The `caote.future.FutureAttention` of the teacher-forced text this cache will read, required by the
         ``oracle`` policy (and only by it): a hindsight ceiling for evaluation, which no generation can provide.
-    predictor:
+    stand_in:
         For the ``learned`` policy only, an object standing in for the model's importance predictor (calibration
-        uses it to record features; `caote.calibration`). Users name a predictor file with the ``predictor``
-        setting instead.
+        uses it to record features; `caote.evaluation.calibration.Collector`). Users name a predictor file with the
+        ``predictor`` setting (``EvictionCache(model, policy="learned+caote", predictor="my.safetensors")``).
     """
 
     def __init__(
@@ -174,7 +174,7 @@ class EvictionCache(Cache):
         policy: str | None = None,
         *,
         future: FutureAttention | None = None,
-        predictor=None,
+        stand_in=None,
         **values,
     ):
         if settings is not None and not isinstance(settings, CacheSettings):  # EvictionCache(model, 256, "h2o")
@@ -185,7 +185,7 @@ class EvictionCache(Cache):
         self.policy = self.settings.policy
         attention_modules(model)  # refuses an unsupported family or backend in one line
         windows = sliding_windows(model)
-        context = CacheContext(model, future, any(window is not None for window in windows), predictor)
+        context = CacheContext(model, future, any(window is not None for window in windows), stand_in)
         self.strategy = strategy_for(self.settings, context) if self.policy.evicts else None
         every_layer_slides = all(window is not None for window in windows)
         super().__init__(

@@ -23,7 +23,14 @@ from caote.arguments import (
     probability,
     temperature,
 )
-from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY, DEFAULT_SEED
+from caote.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_BUDGET,
+    DEFAULT_CALIBRATION_DOMAIN,
+    DEFAULT_POLICY,
+    DEFAULT_SEED,
+    FEATURE_GROUPS,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DTYPES = ("float32", "bfloat16", "float16")
@@ -142,7 +149,12 @@ def add_parser(subparsers) -> None:
     )
     calibrate.add_argument("--model", default="smollm2-135m", help="the model (default: %(default)s)")
     source = calibrate.add_mutually_exclusive_group()
-    source.add_argument("--domain", choices=("essays", "code"), default="essays", help="dev-split texts to read")
+    source.add_argument(
+        "--domain",
+        choices=("essays", "code"),
+        default=DEFAULT_CALIBRATION_DOMAIN,
+        help="read the dev split of these texts (default: %(default)s)",
+    )
     source.add_argument("--texts", type=Path, metavar="FOLDER", help="read the .txt files of FOLDER instead")
     calibrate.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the predictor")
     calibrate.add_argument(
@@ -305,16 +317,22 @@ def comma_list(text: str, kind, allowed=None, option: str = "") -> list:
 def run_calibrate(args: argparse.Namespace) -> int:
     """Fit and save a predictor (`caote.evaluation.calibration.calibrate`), printing what it cost."""
     budgets = comma_list(args.budgets, positive_int, option="--budgets")
-    groups = comma_list(args.features, str, ("scalars", "key", "value"), "--features")
+    groups = comma_list(args.features, str, FEATURE_GROUPS, "--features")
     if args.texts is not None and not args.texts.is_dir():
         raise UsageError(f"--texts '{args.texts}' is not a folder")
     if args.out.is_dir():
         raise UsageError(f"--out '{args.out}' is a directory; give a file path")
     check_model(args.model)
-    hide_loading_bars()
-    from caote.evaluation.calibration import calibrate, calibration_texts, folder_texts
+    # start-up: calibration imports torch and transformers, which argument errors do not need
+    from caote.evaluation.calibration import calibrate, calibration_texts, folder_texts, rollout_settings
     from caote.models import load_model
 
+    try:
+        for budget in budgets:  # refused before the model loads
+            rollout_settings(budget)
+    except ValueError as error:
+        raise UsageError(f"--budgets: {error}") from None
+    hide_loading_bars()
     model, tokenizer = load_model(args.model)
     if args.texts is not None:
         texts = folder_texts(tokenizer, args.texts, args.length, args.count)
@@ -325,8 +343,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     details = predictor.details
     print(
         f"caote calibrate: {len(texts)} texts x {len(budgets)} budgets, {details['rows']:,} rows, "
-        f"{details['seconds']:.0f} s; held-out error {details['held_out_mse']:.3f} of variance "
-        f"{details['held_out_variance']:.3f}; wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"
+        f"{details['seconds']:.0f} s; held-out error {details['held_out_mse']:.3g} of variance "
+        f"{details['held_out_variance']:.3g}; wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"
     )
     return 0
 

@@ -16,3 +16,9 @@ PAPER_BASES = ("h2o", "tova", "snapkv")  # the base policies of the CAOTE paper,
 # the policy of EvictionCache, caote.generate, the pipeline and `caote generate` unless one is named: set by the
 # standard grid of docs/results.md (see the README's "Which policy" paragraph)
 DEFAULT_POLICY = "h2o+caote"
+# the learned policy's calibration (`caote calibrate`, caote.evaluation.calibration): evicting passes at these budgets,
+# these feature groups (of caote.learned.FEATURE_GROUPS), texts of this domain's dev split
+CALIBRATION_BUDGETS = (128, 256, 512)
+FEATURE_GROUPS = ("scalars", "key", "value")
+DEFAULT_FEATURE_GROUPS = ("scalars", "key")
+DEFAULT_CALIBRATION_DOMAIN = "code"  # on held-out dev essays a code-calibrated predictor beat an essay-calibrated one

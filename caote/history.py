@@ -59,14 +59,14 @@ class SumAndRecent:
     window: int
 
     def rows(self, new: int, retained: int, budget: int) -> int:
-        """A running sum needs every row of every step."""
+        """Every row of every step (the running sum's)."""
         return new
 
     def fold(self, history: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
         tokens = rows.shape[-1]
         if history is not None and history.shape[-1] < tokens:
             history = F.pad(history, (0, tokens - history.shape[-1]))
-        total = rows.sum(-2) if history is None else history[:, :, 0] + rows.sum(-2)
+        total = accumulate_attention(None if history is None else history[:, :, 0], rows)
         if rows.shape[-2] > 1 or history is None:
             block = [rows.sum(-2), rows.amax(-2)]
         else:
@@ -75,4 +75,5 @@ class SumAndRecent:
         return torch.cat([torch.stack([total, *block], dim=2), recent], dim=2)
 
     def carries_over(self, block_rows: int) -> bool:
+        """Rows of earlier forwards reach an eviction: always, for the running sum."""
         return True

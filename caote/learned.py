@@ -2,8 +2,8 @@
 
 The hindsight oracle (`caote.future`) keeps the tokens later queries will attend to; no causal score sees those
 queries. A per-(layer, KV head) linear map from causal features ``x_j`` of a token to the log of the attention it
-will receive from all later queries, fitted once per model to the oracle's targets (`caote.calibration`, ``caote
-calibrate``), predicts it instead:
+will receive from all later queries, fitted once per model to the oracle's targets (``caote calibrate``,
+`caote.evaluation.calibration`), predicts it instead:
 
     log F_j ~ w_h . x_j          learned:  h_j = exp(w_h . x_j)          learned+caote:  a = h / sum(h)
 
@@ -13,13 +13,19 @@ token's age and position, its value norm and CAOTE error, and its key with RoPE 
 products let a linear map bend. Only the ranking inside one (layer, head, step) matters, so targets and features are
 demeaned per group when fitting, and no intercept is kept. Unlike every other base this one is not training-free: a
 model needs a predictor file (`Predictor`; the bundled model ships one).
+
+Calibration evicts after prompt blocks only (teacher-forced texts), so the features of a decode step, whose
+"block" is the newest decoded queries and whose candidates are never new, are read with weights fitted on prompt
+blocks: the policy runs there, uncalibrated for that case.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -31,8 +37,8 @@ from caote.scoring import caote_errors, group_query_heads, normalise_weights
 
 FEATURE_SET = "caote-learned-1"  # bump when the features below change: a predictor of another set is refused
 RECENT_ROWS = 16  # the newest query rows the features read
-# newest tokens the learned policies protect (and calibration assumes): 16 gave lower KL than H2O's half budget
-# on 6 test essays at budgets 128 and 256 (docs/results.md, "Learned from hindsight")
+# newest tokens the learned policies protect (and calibration assumes): 16 gave lower KL than H2O's half budget on
+# held-out dev essays at budgets 128 and 256 (docs/results.md, "Learned from hindsight")
 LEARNED_RECENT = 16
 EPSILON = 1e-6  # inside every log of an attention mass (the target's too)
 SCALARS = (
@@ -53,8 +59,8 @@ SCALARS = (
 SQUARED = SCALARS[:11]  # the continuous scalars, squared
 PRODUCTS = (("log_sum", "log_age"), ("log_block_mean", "log_age"), ("log_sum", "log_block_mean"),
             ("log_value_norm", "log_sum"))  # fmt: skip
-FEATURE_GROUPS = ("scalars", "key", "value")  # scalars (+ squares, products); the pre-RoPE key and its squares; value
-DEFAULT_GROUPS = ("scalars", "key")
+# feature groups (`caote.defaults.FEATURE_GROUPS`): the scalars with their squares and products; the pre-RoPE key and
+# its squares; the value vector
 PREDICTOR_DIR = Path(__file__).parent / "predictors"  # the committed predictors (bundled model)
 
 
@@ -76,7 +82,18 @@ def _log(mass: torch.Tensor) -> torch.Tensor:
 
 def token_features(inputs, groups: tuple[str, ...], unrotate: Callable | None, sink_tokens: int) -> torch.Tensor:
     """``(B, H_kv, N, F)`` float32 features of every token a layer holds (`caote.policies.ScoreInputs`, whose
-    ``history`` is `caote.history.SumAndRecent`'s), columns as `feature_names`."""
+    ``history`` is `caote.history.SumAndRecent`'s), columns as `feature_names`. With ``t`` tokens seen, token ``j``
+    at position ``p_j`` has been seen by ``n_j = t - p_j`` queries; every attention statistic is the mean over the
+    KV group's query heads, and ``log`` is ``log(x + 1e-6)``:
+
+        log_sum = log S_j (H2O's sum)       log_sum_per_query = log(S_j / n_j)
+        log_block_mean = log(sum of the block's rows / min(n_j, block))
+        log_block_max = log(max of the block's rows)
+        log_recent_mean / log_recent_max: the same over the newest 16 rows     log_newest: the newest row
+        log_age = log(1 + t - 1 - p_j)    log_position = log(1 + p_j)    log_value_norm = log ||v_j||
+        log_caote = log c_j (CAOTE over the normalised H2O sums, rss over the group)
+        new = [p_j >= t - block]          sink = [p_j < sinks] (always 0 on candidates: sinks are protected)
+    """
     history = inputs.history.float()
     batch, query_heads, _, tokens = history.shape
     kv_heads = inputs.values.shape[1]
@@ -132,23 +149,49 @@ def token_features(inputs, groups: tuple[str, ...], unrotate: Callable | None, s
 
 
 def rotary_inverse(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``(keys (B, H, N, d), positions (B, H, N)) -> keys before RoPE``, by the model's own rotary embedding: RoPE
-    turns each pair of key channels by the angle of the token's position (``k cos + rotate_half(k) sin``), so turning
-    back by the same angle (``k cos - rotate_half(k) sin``, divided by ``cos^2 + sin^2`` for scaled variants)
-    restores the key the projection wrote."""
+    """``(keys (B, H, N, d), positions (B, H, N)) -> keys before RoPE``, by the family's own rotary embedding and
+    ``apply_rotary_pos_emb``: RoPE turns each pair of key channels by the angle of the token's position, ``k cos +
+    rotate_half(k) sin`` (interleaved or partial in some families), so the same function with ``sin`` negated and
+    both divided by the embedding's ``attention_scaling`` squared turns it back. Checked once on random keys; a
+    family it cannot undo is refused in one line (calibrate with ``--features scalars`` there)."""
     rotary = next((module for name, module in model.named_modules() if name.endswith("rotary_emb")), None)
-    if rotary is None:
-        raise ValueError(f"{type(model).__name__} has no rotary embedding: the learned policy reads pre-RoPE keys")
+    attention = model.get_decoder().layers[0].self_attn
+    apply = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
+    if rotary is None or apply is None:
+        raise ValueError(
+            f"{type(model).__name__} has no rotary embedding to undo: the learned policy's key features need one "
+            "(calibrate with --features scalars)"
+        )
+    layer_type = (
+        {"layer_type": "full_attention"} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
+    )
+    scale = float(getattr(rotary, "attention_scaling", 1.0)) ** 2
+
+    def angles(keys: torch.Tensor, positions: torch.Tensor):
+        batch, heads, tokens, _ = keys.shape
+        cos, sin = rotary(keys, positions.reshape(batch * heads, tokens), **layer_type)
+        return cos.float(), sin.float()
 
     def unrotate(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, heads, tokens, dim = keys.shape
-        flat = positions.reshape(batch * heads, tokens)
-        cos, sin = rotary(keys, flat)
-        cos, sin = cos.view(batch, heads, tokens, -1).float(), sin.view(batch, heads, tokens, -1).float()
-        half = keys.shape[-1] // 2
-        turned = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
-        return (keys * cos - turned * sin) / (cos * cos + sin * sin)
+        cos, sin = angles(keys, positions)
+        flat = keys.reshape(batch * heads, 1, tokens, dim)
+        return apply(flat, flat, cos / scale, -sin / scale)[1].view(batch, heads, tokens, dim)
 
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(1, 1, 6, attention.head_dim, generator=generator)
+    positions = torch.tensor([[[0, 1, 7, 30, 200, 1000]]])
+    try:
+        cos, sin = angles(probe, positions)
+        turned = apply(probe[0:1], probe[0:1], cos, sin)[1]
+        exact = torch.allclose(unrotate(turned, positions), probe, atol=1e-4)
+    except (RuntimeError, TypeError, ValueError):
+        exact = False
+    if not exact:
+        raise ValueError(
+            f"the learned policy cannot undo the RoPE of {type(model).__name__} by position (its key features need "
+            "it): calibrate with --features scalars"
+        )
     return unrotate
 
 
@@ -178,9 +221,8 @@ class Predictor:
     groups: tuple[str, ...]
     model: str
     fingerprint: str
-    texts: list[str]  # the calibration texts' ids (never an evaluated text: `caote.calibration.check_disjoint`)
-    details: dict  # how it was calibrated (budgets, ridge strengths, held-out losses, seconds)
-    recent_window: int | float | None = None  # the protected window it was calibrated under
+    texts: list[str]  # the calibration texts' ids (never evaluated: `caote.evaluation.calibration.check_disjoint`)
+    details: dict  # how it was calibrated (budgets, recent window, ridge strengths, held-out losses, seconds)
 
     def save(self, path: str | Path) -> Path:
         from safetensors.torch import save_file
@@ -194,30 +236,35 @@ class Predictor:
             "fingerprint": self.fingerprint,
             "texts": json.dumps(self.texts),
             "details": json.dumps(self.details),
-            "recent_window": json.dumps(self.recent_window),
         }
         save_file({"weights": self.weights.float().contiguous()}, str(path), metadata=metadata)
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> Predictor:
-        """The predictor saved at ``path`` (read once per file version: caches are built often, e.g. per grid cell)."""
+        """The predictor saved at ``path``, read once per file version (caches are built often, e.g. per grid cell;
+        treat it as read-only). A file that is not a predictor is a one-line `ValueError`."""
+        path = Path(path).resolve()
         try:
-            stamp = Path(path).stat().st_mtime_ns
+            status = path.stat()
         except OSError as error:
             raise ValueError(f"cannot read predictor {str(path)!r}: {error.strerror}") from None
-        return _read_predictor(str(path), stamp)
+        return _read_predictor(str(path), (status.st_mtime_ns, status.st_size, status.st_ino))
 
     @classmethod
-    def read(cls, path: str) -> Predictor:
-        from safetensors import safe_open
+    def _read(cls, path: str) -> Predictor:
+        from safetensors import SafetensorError, safe_open
 
         try:
-            with safe_open(str(path), framework="pt") as file:
+            with safe_open(path, framework="pt") as file:
                 metadata = file.metadata() or {}
                 weights = file.get_tensor("weights")
-        except (OSError, RuntimeError, ValueError) as error:
-            raise ValueError(f"cannot read predictor {str(path)!r}: {str(error).splitlines()[0]}") from None
+        except (OSError, RuntimeError, ValueError, KeyError, SafetensorError) as error:
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ValueError(f"cannot read predictor {path!r}: {reason}") from None
+        missing = {"groups", "model", "fingerprint", "texts", "details"} - set(metadata)
+        if missing and metadata.get("feature_set") == FEATURE_SET:
+            raise ValueError(f"predictor {path!r} lacks {', '.join(sorted(missing))}: not written by caote calibrate")
         if metadata.get("feature_set") != FEATURE_SET:
             raise ValueError(
                 f"predictor {str(path)!r} has feature set {metadata.get('feature_set')!r}, this caote reads "
@@ -230,7 +277,6 @@ class Predictor:
             fingerprint=metadata["fingerprint"],
             texts=json.loads(metadata["texts"]),
             details=json.loads(metadata["details"]),
-            recent_window=json.loads(metadata.get("recent_window", "null")),
         )
 
     @classmethod
@@ -261,8 +307,8 @@ class Predictor:
 
 
 @functools.lru_cache(maxsize=16)
-def _read_predictor(path: str, stamp: int) -> Predictor:
-    return Predictor.read(path)
+def _read_predictor(path: str, version: tuple[int, int, int]) -> Predictor:
+    return Predictor._read(path)
 
 
 class LayerPredictor:

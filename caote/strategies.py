@@ -27,12 +27,13 @@ from caote.lookahead import draft
 @dataclass(frozen=True)
 class CacheContext:
     """What a strategy may need besides the settings: the model, the oracle's hindsight (``future``), whether the
-    model has sliding-window layers, and a predictor object that stands in for the model's own (calibration)."""
+    model has sliding-window layers, and an object standing in for the model's predictor (calibration's
+    `caote.evaluation.calibration.Collector`, which reads ``future`` as its targets)."""
 
     model: nn.Module
     future: FutureAttention | None = None
     sliding_layers: bool = False
-    predictor: object | None = None
+    stand_in: Predictor | None = None
 
 
 class Immediate:
@@ -152,14 +153,15 @@ class LookAhead(Immediate):
 class Learned(Immediate):
     """`Immediate`, with each layer's slice of the model's importance predictor as the ``predictor`` score input:
     the file ``settings.predictor`` names, or the committed one for the model (`caote.learned.Predictor.for_model`),
-    or the context's stand-in (`caote.calibration`, which also hands the oracle's ``future`` to it)."""
+    or the context's stand-in (calibration: it also gets the oracle's ``future``, its targets)."""
 
     def __init__(self, settings, context: CacheContext):
         super().__init__(settings, context)
-        predictor = context.predictor or Predictor.for_model(context.model, settings.predictor)
-        unrotate = rotary_inverse(context.model) if "key" in predictor.groups else None
+        stand_in = context.stand_in is not None
+        predictor = context.stand_in if stand_in else Predictor.for_model(context.model, settings.predictor)
+        self.unrotate = rotary_inverse(context.model) if "key" in predictor.groups else None
+        self.predictor, self.future = predictor, context.future if stand_in else None
         self.layers = {}
-        self.predictor, self.unrotate, self.future = predictor, unrotate, context.future
 
     def inputs(self, index: int, layer) -> dict:
         if index not in self.layers:

@@ -439,3 +439,43 @@ def test_bench_help_prints_lists_not_tuples(capsys):
     text = " ".join(out.split())
     assert code == 0 and "('" not in text and "(default 2048,4096,8192,16384)" in text
     assert "(default streamingllm, h2o, tova, h2o+caote, tova+caote, tova+fastcaote, snapkv+caote)" in text
+
+
+# -- caote calibrate and the learned policy ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--out", "p.safetensors", "--features", "scalars,hidden"], "--features takes scalars, key, value"),
+        (["--out", "p.safetensors", "--budgets", "128,x"], "--budgets must be comma-separated values"),
+        (["--out", "p.safetensors", "--texts", "no/such/folder"], "--texts 'no/such/folder' is not a folder"),
+    ],
+)
+def test_bad_calibrate_options_exit_2_before_loading_the_model(capsys, no_model_load, args, message):
+    code, out, err = run_main(capsys, "calibrate", *args)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"caote calibrate: error: {message}"), err
+
+
+def test_generate_refuses_a_missing_predictor_file_before_loading(capsys, no_model_load):
+    code, _, err = run_main(capsys, "generate", "hi", "--policy", "learned+caote", "--predictor", "missing.safetensors")
+    assert code == 2 and "--predictor 'missing.safetensors' is not a file" in err
+
+
+def test_calibrate_then_generate_with_the_learned_policy(capsys, tiny_loaded_model, tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for name in ("one", "two"):
+        (folder / f"{name}.txt").write_text(f"{name} line of my own text\n" * 80)
+    out = tmp_path / "mine.safetensors"
+    args = ["--texts", str(folder), "--length", "200", "--budgets", "64", "--out", str(out)]
+    code, stdout, err = run_main(capsys, "calibrate", *args)
+    assert code == 0, err
+    assert out.is_file() and "caote calibrate: 4 texts x 1 budgets" in stdout and f"wrote {out}" in stdout
+    code, answer, err = run_main(
+        capsys, "generate", "hello " * 100, "--no-chat", "--budget", "64", "--policy", "learned+caote",
+        "--predictor", str(out), "--max-new-tokens", "4", "--stats",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "kept: 64," in err

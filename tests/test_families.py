@@ -36,10 +36,11 @@ def test_a_budget_above_everything_reproduces_a_dynamic_cache(family, backend, p
 
 
 @pytest.mark.parametrize("family,backend", CASES)
-def test_every_full_attention_layer_holds_at_most_budget_after_every_forward(family, backend):
+@pytest.mark.parametrize("policy", ["snapkv+caote", "learned+caote"])  # learned: RoPE undone in every family
+def test_every_full_attention_layer_holds_at_most_budget_after_every_forward(family, backend, policy):
     model = tiny_model(family, attn_implementation=backend)
     budget = 48
-    cache = EvictionCache(model, budget=budget, policy="snapkv+caote", block_size=BLOCK)
+    cache = EvictionCache(model, budget=budget, policy=policy, block_size=BLOCK)
     seen = []
 
     def probe(module, args, output):

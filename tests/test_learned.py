@@ -80,7 +80,7 @@ def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tm
     assert predictor.details["rows"] > 0 and predictor.details["held_out_mse"] > 0
     ids = random_ids(80)
     for name in ("learned", "learned+caote", "learned+fastcaote", "learned+caote/mean"):
-        cache = EvictionCache(llama, CacheSettings(budget=40, policy=name, predictor=path))
+        cache = EvictionCache(llama, budget=40, policy=name, predictor=path)  # the setting as a keyword
         out = greedy(llama, ids, cache, new_tokens=8)
         assert out.shape == (1, 88) and cache.stats().tokens_kept == 40, name
 
@@ -119,8 +119,39 @@ def test_calibration_texts_are_dev_split_only_and_never_evaluated(tokenizer):
         check_calibration_texts(dev + test)
     predictor = Predictor(torch.zeros(1, 1, 1), ("scalars",), "m", "f", [text.id for text in dev], {})
     check_disjoint(predictor, [text.id for text in test])
-    with pytest.raises(ValueError, match="calibrated on 1 of the texts"):
+    with pytest.raises(ValueError, match="documents of 1 of the texts"):
         check_disjoint(predictor, [dev[0].id, test[0].id])
+    other_length = dev[0].id.replace("-1024", "-2048") + "-2"  # another excerpt of the same document
+    with pytest.raises(ValueError, match="documents of 1 of the texts"):
+        check_disjoint(predictor, [other_length])
+
+
+def test_code_texts_are_pinned_by_sha256(tmp_path, monkeypatch):
+    from caote.evaluation import data
+
+    name = data.code_names("dev")[0]
+    (tmp_path / name).write_text(data.code_text(name) + "# changed\n")
+    data.code_text.cache_clear()
+    monkeypatch.setattr(data, "code_dir", lambda: tmp_path)
+    try:
+        with pytest.raises(RuntimeError, match="differs from the Python 3.11.7 file"):
+            data.code_text(name)
+    finally:
+        data.code_text.cache_clear()
+
+
+def test_a_file_that_is_not_a_predictor_is_one_line(tmp_path):
+    path = tmp_path / "not.safetensors"
+    path.write_bytes(b"certainly not safetensors")
+    with pytest.raises(ValueError, match="cannot read predictor") as error:
+        Predictor.load(path)
+    assert "\n" not in str(error.value)
+
+
+def test_calibration_that_collects_nothing_is_refused(llama):
+    texts = [Text("mine-0", 30, "x", "mine-0")]
+    with pytest.raises(ValueError, match="collected nothing"):
+        calibrate(llama, RandomIds(30), texts, budgets=(40,), block_size=32, progress=False)
 
 
 def test_the_committed_predictor_was_calibrated_on_no_text_a_grid_evaluates(tokenizer):

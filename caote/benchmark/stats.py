@@ -183,13 +183,14 @@ def growth_fit(by_context: dict[str, dict]) -> dict | None:
 
 
 def _cost_reference(name: str) -> tuple[str | None, float]:
-    """The configuration whose prefill time ``name``'s is held against, with the limit: a ``+caote`` /
-    ``+fastcaote`` policy against its plain base, a policy beyond the paper against its paper base's ``+caote``."""
+    """The configuration whose prefill time ``name``'s is held against, with the limit: a policy beyond the paper
+    (plain or value-aware) against its paper base's ``+caote`` (``learned+caote`` against ``h2o+caote``), a
+    paper policy's ``+caote`` / ``+fastcaote`` against its plain base."""
     base, _, transform = name.partition("+")
-    if transform:
-        return base, TRANSFORM_OVERHEAD_LIMIT
     paper_base = parse_policy(name).base.about.paper_base
-    return (f"{paper_base}+caote", BEYOND_OVERHEAD_LIMIT) if paper_base else (None, BEYOND_OVERHEAD_LIMIT)
+    if paper_base:
+        return f"{paper_base}+caote", BEYOND_OVERHEAD_LIMIT
+    return (base, TRANSFORM_OVERHEAD_LIMIT) if transform else (None, BEYOND_OVERHEAD_LIMIT)
 
 
 def _target(name: str, value, relation: str, limit: float, bound: float | None = None) -> dict:

@@ -9,12 +9,16 @@ the normal equations of the rows demeaned within their (layer, head, eviction) g
 ``y^T y`` — so memory does not grow with the amount of text. The ridge strength of each head is the one with the
 smallest squared error on held-out texts (computed from their normal equations), and the final fit uses every text.
 
-Calibration texts are never evaluation texts: they come from the dev split (`check_disjoint` is asked by the
-evaluation before it runs a learned policy).
+Calibration texts are never evaluation texts: they come from the dev split (`check_calibration_texts`), and the
+evaluation asks `check_disjoint` before it runs a learned policy (no shared text, nor any excerpt of a shared
+document). Known simplifications: the held-out texts are every fourth excerpt, so one document can give excerpts to
+both sides (the choice of strength is then a little optimistic); evictions after the last block, whose future is
+empty, still add rows (their targets are all equal, so they only shrink the weights a little).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -23,11 +27,12 @@ import torch
 from tqdm.auto import tqdm
 
 from caote.cache import EvictionCache
-from caote.defaults import DEFAULT_BLOCK_SIZE
-from caote.evaluation.data import split_of
+from caote.defaults import CALIBRATION_BUDGETS, DEFAULT_BLOCK_SIZE, DEFAULT_FEATURE_GROUPS
+from caote.evaluation.data import document_excerpts, split_of
 from caote.evaluation.lockstep import reference_pass
+from caote.evaluation.perplexity import domain_texts
+from caote.evaluation.tasks import Text
 from caote.learned import (
-    DEFAULT_GROUPS,
     EPSILON,
     LEARNED_RECENT,
     LayerPredictor,
@@ -38,7 +43,6 @@ from caote.learned import (
 )
 from caote.settings import CacheSettings
 
-CALIBRATION_BUDGETS = (128, 256, 512)
 RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 HELD_OUT_EVERY = 4  # every 4th calibration text chooses the ridge strengths
 ROLLOUT = "learned+caote"  # with the collector standing in for the predictor: CAOTE over the group's H2O mass
@@ -97,7 +101,7 @@ class Collector:
     equations: dict = field(default_factory=dict)  # (part, layer, head) -> NormalEquations
 
     def layer(self, index: int, unrotate, sink_tokens: int) -> CollectingLayer:
-        return CollectingLayer(self, index, unrotate)
+        return CollectingLayer(self, index, unrotate, sink_tokens)
 
     def record(self, index: int, features: torch.Tensor, target: torch.Tensor, candidates: torch.Tensor) -> None:
         """Demean ``features`` ``(B, H, N, F)`` and ``target`` ``(B, H, N)`` over each head's ``candidates`` and
@@ -117,8 +121,11 @@ class Collector:
 
 
 class CollectingLayer(LayerPredictor):
-    def __init__(self, collector: Collector, index: int, unrotate):
-        super().__init__(None, collector.groups, unrotate, collector.sink_tokens)
+    """One layer's side of a `Collector`: records the candidates (neither sinks nor the recent window) at each
+    eviction and returns the rollout's ranking."""
+
+    def __init__(self, collector: Collector, index: int, unrotate, sink_tokens: int):
+        super().__init__(None, collector.groups, unrotate, sink_tokens)
         self.collector, self.index = collector, index
 
     def predict(self, inputs) -> torch.Tensor:
@@ -138,17 +145,12 @@ def calibration_texts(tokenizer, domain: str, length: int, count: int | None = N
     """Texts of the dev split of ``domain`` (``essays`` or ``code``): the non-overlapping excerpts of ``length``
     tokens (`caote.evaluation.tasks.Text`; the first excerpt of every document, then the second, ...), the first
     ``count`` of them (None: all)."""
-    from caote.evaluation.perplexity import domain_texts
-
     return domain_texts(tokenizer, domain, [length], None, "dev", seed, every=True)[:count]
 
 
 def folder_texts(tokenizer, folder, length: int, count: int | None = None) -> list:
     """Every non-overlapping excerpt of ``length`` tokens of the ``.txt`` files of ``folder`` (ids
     ``file-<name>-<length>[-k]``): the user's own calibration texts."""
-    from caote.evaluation.data import document_excerpts
-    from caote.evaluation.tasks import Text
-
     documents = [
         (path.stem, path.read_text(encoding="utf-8", errors="replace")) for path in sorted(folder.glob("*.txt"))
     ]
@@ -178,14 +180,34 @@ def check_calibration_texts(texts) -> None:
         )
 
 
+TEXT_ID = re.compile(r"(essay|code|file)-(.+?)-\d+(?:-\d+)?")  # <kind>-<document>-<length>[-<excerpt>]
+
+
+def document_of(text_id: str) -> str:
+    """The document a text id is an excerpt of (``essay-gap-1024-3`` -> ``essay:gap``); other ids are their own."""
+    match = TEXT_ID.fullmatch(text_id)
+    return f"{match.group(1)}:{match.group(2)}" if match else text_id
+
+
 def check_disjoint(predictor: Predictor, text_ids) -> None:
-    """Refuse to evaluate a learned policy on a text its predictor was calibrated on."""
-    shared = sorted(set(predictor.texts) & set(text_ids))
+    """Refuse to evaluate a learned policy on a text whose document (any excerpt, any length) its predictor was
+    calibrated on."""
+    calibrated = {document_of(text_id) for text_id in predictor.texts}
+    shared = sorted(text_id for text_id in text_ids if document_of(text_id) in calibrated)
     if shared:
         raise ValueError(
-            f"the predictor was calibrated on {len(shared)} of the texts to evaluate ({', '.join(shared[:3])}...): "
-            "calibrate on the dev split and evaluate on test"
+            f"the predictor was calibrated on the documents of {len(shared)} of the texts to evaluate "
+            f"({', '.join(shared[:3])}): calibrate on the dev split and evaluate on test"
         )
+
+
+def rollout_settings(
+    budget: int, recent_window: int | float = LEARNED_RECENT, block_size: int = DEFAULT_BLOCK_SIZE
+) -> CacheSettings:
+    """The settings of one evicting pass: `ROLLOUT` at ``budget``, protecting ``recent_window`` newest tokens (a
+    float: a share of the budget, as H2O's)."""
+    recent = recent_window if isinstance(recent_window, int) else int(recent_window * budget)
+    return CacheSettings(budget=budget, policy=ROLLOUT, block_size=block_size, recent_window=recent)
 
 
 def calibrate(
@@ -193,7 +215,7 @@ def calibrate(
     tokenizer,
     texts: list,
     budgets=CALIBRATION_BUDGETS,
-    groups: tuple[str, ...] = DEFAULT_GROUPS,
+    groups: tuple[str, ...] = DEFAULT_FEATURE_GROUPS,
     recent_window: int | float = LEARNED_RECENT,
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: bool = True,
@@ -212,20 +234,14 @@ def calibrate(
     collectors = []
     bar = tqdm(total=len(texts) * len(budgets), desc="caote calibrate", unit="run", disable=not progress)
     for number, text in enumerate(texts):
-        ids = tokenizer(text.text, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)  # as the evaluation tokenises
         reference = reference_pass(model, ids, block_size, future=True, states=set())
         for budget in budgets:
-            settings = CacheSettings(budget=budget, policy=ROLLOUT, block_size=block_size, recent_window=None)
-            if isinstance(recent_window, int):
-                settings = settings.replace(recent_window=recent_window)
-            else:
-                settings = settings.replace(recent_window=int(recent_window * budget))
+            settings = rollout_settings(budget, recent_window, block_size)
             collector = Collector(groups, width, settings.recent, settings.sink_tokens)
             collector.part = "held_out" if number % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
             with ExitStack() as stack, torch.no_grad():
-                cache = stack.enter_context(
-                    EvictionCache(model, settings, future=reference.future, predictor=collector)
-                )
+                cache = stack.enter_context(EvictionCache(model, settings, future=reference.future, stand_in=collector))
                 for start in range(0, ids.shape[1], block_size):
                     model.get_decoder()(input_ids=ids[:, start : start + block_size], cache=cache, use_cache=True)
             collectors.append(collector)
@@ -243,7 +259,13 @@ def _fit(model, collectors, groups, width, texts, budgets, recent_window, began,
             totals[key] += equations
     layers = sorted({layer for _, layer, _ in totals})
     heads = sorted({head for _, _, head in totals})
-    weights = torch.zeros(len(model.model.layers), len(heads), width)
+    if not totals:
+        raise ValueError(
+            "calibration collected nothing: no evicting pass overflowed its budget (give longer texts or smaller "
+            "budgets)"
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    weights = torch.zeros(config.num_hidden_layers, len(heads), width)
     chosen, held_out_error, baseline_error = {}, [], []
     for layer in layers:
         for head in heads:
@@ -267,6 +289,7 @@ def _fit(model, collectors, groups, width, texts, budgets, recent_window, began,
     rows = sum(equations.rows for key, equations in totals.items() if key[0] == "fit")
     details = {
         "budgets": list(budgets),
+        "recent_window": recent_window,
         "ridge": chosen,
         "rows": rows,
         "held_out_mse": sum(held_out_error) / max(len(held_out_error), 1),
@@ -274,6 +297,4 @@ def _fit(model, collectors, groups, width, texts, budgets, recent_window, began,
         "seconds": round(time.perf_counter() - began, 1),
     }
     name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    return Predictor(
-        weights, tuple(groups), name, model_fingerprint(model), [text.id for text in texts], details, recent_window
-    )
+    return Predictor(weights, tuple(groups), name, model_fingerprint(model), [text.id for text in texts], details)

@@ -49,17 +49,21 @@ def config_texts(config, tokenizer) -> list[Text]:
     return texts(tokenizer, config.lengths, config.samples or DEFAULT_TEXTS, config.split, config.seed)
 
 
+def code_config_texts(config, tokenizer) -> list[Text]:
+    """Excerpts of the pinned standard-library files of the config's split (`domain_texts`, domain ``code``)."""
+    return domain_texts(tokenizer, "code", config.lengths, config.samples or DEFAULT_TEXTS, config.split, config.seed)
+
+
 def count(config) -> int:
     return len(config.lengths) * (config.samples or DEFAULT_TEXTS)
 
 
-def describe(config, rows: list[dict]) -> str:
+def describe(config, rows: list[dict], kind: str = "excerpts of distinct Paul Graham essays") -> str:
     full_ppl = [row["ppl_full"] for row in rows if row["policy"] == FULL]
-    texts = "excerpts of distinct Paul Graham essays"
     if rows and not all(row.get("unit") for row in rows):  # rows written before texts were distinct essays
-        texts = "Paul Graham essay excerpts (seeded shuffles of the split, which can repeat essays)"
+        kind = "Paul Graham essay excerpts (seeded shuffles of the split, which can repeat essays)"
     return (
-        f"Perplexity / KL / fidelity: {config.samples or DEFAULT_TEXTS} {texts} "
+        f"Perplexity / KL / fidelity: {config.samples or DEFAULT_TEXTS} {kind} "
         f"({config.split} split) of up to {joined(config.lengths)} tokens, each policy against one full-cache pass "
         f"({len(rows)} rows). "
         "Full-cache PPL per text: " + ", ".join(f"{ppl:.2f}" for ppl in full_ppl) + "."
@@ -104,5 +108,15 @@ FIDELITY_TASK = Task(
     texts=config_texts,
     count=count,
     describe=describe,
+    figures=("fidelity_layers",),
+)
+
+CODE_TASK = Task(
+    name="perplexity-code",
+    title="Perplexity and KL on Python source code",
+    metrics=TASK.metrics,
+    texts=code_config_texts,
+    count=count,
+    describe=lambda config, rows: describe(config, rows, "excerpts of distinct Python 3.11.7 standard-library files"),
     figures=("fidelity_layers",),
 )

@@ -17,6 +17,7 @@ TASKS: dict[str, Task] = {
         longbench.TASK,
         perplexity.TASK,
         perplexity.FIDELITY_TASK,
+        perplexity.CODE_TASK,
     )
 }
 

@@ -230,7 +230,8 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
     mine = texts[rank::world]
     policies = with_reference(config.policies)
     predictor = None if config.predictor is None else str(config.predictor)
-    if any(parse_policy(policy).evicts and parse_policy(policy).base.schedule == "learned" for policy in policies):
+    bases = [parse_policy(policy).base for policy in policies]
+    if any(base is not None and base.schedule == "learned" for base in bases):
         check_disjoint(Predictor.for_model(model, predictor), [text.id for text in texts])  # never seen in calibration
     runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
     with RowStore(config.out, rank) as store:
@@ -255,12 +256,13 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
                         "benchmark": config.benchmark,
                         "model": config.model,
                         "example_id": text_id,
-                        "task": "essays",
+                        "task": "code" if text_id.startswith("code-") else "essays",
                         "block_size": config.block_size,
                         "split": config.split,
                         "seed": config.seed,
                         "meta": {"length": length},
                         "unit": unit,
+                        "predictor": None if predictor is None else Path(predictor).name,
                         "rank": rank,
                         "num_processes": world,
                         "commit": commit,
