@@ -289,7 +289,7 @@ def test_no_parser_takes_abbreviated_options():
     from caote.evaluation.cli import report_parser
 
     parsers = [*every_parser(build_parser()), report_parser()]
-    assert len(parsers) == 6 and all(parser.allow_abbrev is False for parser in parsers)
+    assert len(parsers) == 7 and all(parser.allow_abbrev is False for parser in parsers)
 
 
 @pytest.mark.parametrize(
