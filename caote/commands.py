@@ -19,6 +19,7 @@ from caote.arguments import (
     hide_loading_bars,
     memory_limits,
     non_negative_int,
+    parse_int_list,
     positive_int,
     probability,
     temperature,
@@ -302,22 +303,21 @@ def check_settings(args: argparse.Namespace):
     return settings
 
 
-def comma_list(text: str, kind, allowed=None, option: str = "") -> list:
-    """``"128,256"`` -> ``[128, 256]`` (each item converted by ``kind`` and, with ``allowed``, one of those)."""
-    try:
-        items = [kind(item.strip()) for item in text.split(",") if item.strip()]
-    except (ValueError, argparse.ArgumentTypeError):
-        raise UsageError(f"{option} must be comma-separated values, got {text!r}") from None
-    bad = [item for item in items if allowed is not None and item not in allowed]
-    if not items or bad:
-        raise UsageError(f"{option} takes {', '.join(map(str, allowed)) if allowed else 'values'}, got {text!r}")
-    return items
+def feature_groups(text: str) -> list[str]:
+    """``"scalars,key"`` -> the feature groups, each one of `FEATURE_GROUPS`."""
+    groups = [item.strip() for item in text.split(",") if item.strip()]
+    if not groups or any(group not in FEATURE_GROUPS for group in groups):
+        raise UsageError(f"--features takes {', '.join(FEATURE_GROUPS)}, got {text!r}")
+    return groups
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Fit and save a predictor (`caote.evaluation.calibration.calibrate`), printing what it cost."""
-    budgets = comma_list(args.budgets, positive_int, option="--budgets")
-    groups = comma_list(args.features, str, FEATURE_GROUPS, "--features")
+    try:
+        budgets = parse_int_list(args.budgets, minimum=1)
+    except ValueError:
+        raise UsageError(f"--budgets must be comma-separated values, got {args.budgets!r}") from None
+    groups = feature_groups(args.features)
     if args.texts is not None and not args.texts.is_dir():
         raise UsageError(f"--texts '{args.texts}' is not a folder")
     if args.out.is_dir():

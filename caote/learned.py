@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from caote.scoring import caote_errors, group_query_heads, normalise_weights
+from caote.scoring import aggregate_groups, caote_errors, group_query_heads, normalise_weights
 
 FEATURE_SET = "caote-learned-1"  # bump when the features below change: a predictor of another set is refused
 RECENT_ROWS = 16  # the newest query rows the features read
@@ -120,7 +120,7 @@ def token_features(inputs, groups: tuple[str, ...], unrotate: Callable | None, s
         if inputs.real is not None:
             sums = sums.masked_fill(~inputs.real.unsqueeze(2), float("-inf"))
         weights = normalise_weights(sums, padded=inputs.real is not None)
-        caote = caote_errors(weights, inputs.values.unsqueeze(2)).square().sum(2).sqrt()  # rss over the group
+        caote = aggregate_groups(caote_errors(weights, inputs.values.unsqueeze(2)), "rss")
         scalar = {
             "log_sum": _log(total),
             "log_sum_per_query": _log(total / seen_by),

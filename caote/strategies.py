@@ -161,12 +161,9 @@ class Learned(Immediate):
         predictor = context.stand_in if stand_in else Predictor.for_model(context.model, settings.predictor)
         self.unrotate = rotary_inverse(context.model) if "key" in predictor.groups else None
         self.predictor, self.future = predictor, context.future if stand_in else None
-        self.layers = {}
 
     def inputs(self, index: int, layer) -> dict:
-        if index not in self.layers:
-            self.layers[index] = self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)
-        inputs = {"predictor": self.layers[index]}
+        inputs = {"predictor": self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)}
         if self.future is not None:  # calibration: the targets the stand-in records
             inputs["future"] = self.future.at(index, layer.cumulative_length, layer.positions)
         return inputs
