@@ -256,9 +256,9 @@ def check_model(name: str) -> None:
     """A `UsageError` for a ``--model`` that names no model (a missing directory, a file, a folder without
     config.json, a malformed hub id), before torch is imported; a hub id that cannot be fetched stays a runtime
     error (exit 1)."""
-    from caote.models import BUNDLED_MODEL, check_model_name  # torch-free at import
+    from caote.models import BUNDLED, check_model_name  # torch-free at import
 
-    if name == BUNDLED_MODEL:
+    if name in BUNDLED:
         return
     try:
         check_model_name(name)

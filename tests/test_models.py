@@ -110,7 +110,7 @@ def test_the_first_use_of_the_bundled_model_announces_its_conversion_once(monkey
     monkeypatch.setattr(models, "bundled_gguf_path", lambda: tmp_path / "model.gguf")
     conversions = []
 
-    def fake_convert(target):  # stands in for the 25 s conversion
+    def fake_convert(target, model):  # stands in for the 25 s conversion
         conversions.append(target)
         target.mkdir(parents=True)
         (target / "config.json").write_text("{}")

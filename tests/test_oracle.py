@@ -157,3 +157,27 @@ def test_every_policy_row_is_saved_as_soon_as_it_is_computed(llama, tokenizer, t
         return [{k: v for k, v in row.items() if k not in VOLATILE_FIELDS} for row in rows]
 
     assert stable(resumed) == stable(load_rows(fresh_out))
+
+
+@pytest.mark.parametrize("policy", ["tova+caote", "h2o", "oracle"])
+def test_a_scored_tail_scores_exactly_the_last_blocks_of_a_whole_pass(llama, policy):
+    ids = random_ids(7 * BLOCK + 5, seed=8)  # 8 blocks, the last of 5 tokens
+    runs = [("full", None), (policy, 64)]
+    whole = lockstep(llama, ids, runs, block_size=BLOCK)
+    tail = list(lockstep_module.lockstep_results(llama, ids, runs, block_size=BLOCK, scored_tail=2 * BLOCK))
+    first = lockstep_module.scored_blocks(ids.shape[1], BLOCK, 2 * BLOCK)
+    assert first == 5  # token 7 * 32 + 5 - 64 = 165 lies in block 5: blocks 5, 6, 7 are scored
+    for every, last in zip(whole, tail):
+        assert last["predictions"] == ids.shape[1] - first * BLOCK == 2 * BLOCK + 5
+        assert last["kl_blocks"] == pytest.approx(every["kl_blocks"][-3:], rel=1e-5, abs=1e-9)
+        assert last["nll_blocks"] == pytest.approx(every["nll_blocks"][-3:], rel=1e-5)
+        sizes = torch.tensor([BLOCK, BLOCK, 5], dtype=torch.float64)
+        expected_kl = float((torch.tensor(every["kl_blocks"][-3:], dtype=torch.float64) * sizes).sum() / sizes.sum())
+        assert last["kl"] == pytest.approx(expected_kl, rel=1e-5, abs=1e-9)
+    assert tail[0]["kl"] == 0 and tail[1]["kl"] > 0
+
+
+def test_no_scored_tail_or_one_as_long_as_the_text_scores_every_prediction():
+    assert lockstep_module.scored_blocks(200, 32, None) == 0
+    assert lockstep_module.scored_blocks(200, 32, 199) == 0
+    assert lockstep_module.scored_blocks(200, 32, 150) == 1

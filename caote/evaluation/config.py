@@ -19,7 +19,7 @@ from caote.settings import CacheSettings
 
 SPLITS = ("dev", "test")
 DEFAULT_POLICIES = "paper"  # when --policies is not given (report: the grid's own, if it has some)
-GRID_NAMES = ("try", "quick", "standard", "full")  # `caote.evaluation.grids.GRIDS`
+GRID_NAMES = ("try", "quick", "standard", "long", "full")  # `caote.evaluation.grids.GRIDS`
 
 
 @dataclass
@@ -49,6 +49,8 @@ class EvalConfig:
     threads: int | None = None
     summarise_only: bool = False
     predictor: Path | None = None  # texts tasks: the learned policies' predictor file (None: the model's committed one)
+    scored_tail: int | None = None  # texts tasks: score only the last tokens' predictions (`lockstep.scored_blocks`)
+    fidelity: bool = True  # texts tasks: measure the attention-output error (the long grid turns it off)
 
 
 def _int_list(option: str, text: str, minimum: int = 1) -> list[int]:

@@ -135,6 +135,25 @@ def essay_excerpts(
     return document_excerpts(tokenizer, documents, n_tokens, count, seed, f"the {split} split", sentence_boundary=True)
 
 
+def joined_essay_excerpts(
+    tokenizer, n_tokens: int, count: int | None, split: str = "test", seed: int = 0
+) -> list[tuple[str, str]]:
+    """``count`` excerpts of at most ``n_tokens`` tokens of the essays of ``split`` joined into one stream (sorted by
+    file name, a blank line between essays), as ``(window, text)``: consecutive windows, each cut at a sentence end,
+    in an order shuffled by ``seed``. For lengths few essays reach (4k-8k tokens: 9 test essays reach 4k, one 8k);
+    a window spans several essays, and the window is the unit that intervals resample."""
+    joined = "\n\n".join(essays(split))
+    windows = document_excerpts(tokenizer, [("joined", joined)], n_tokens, None, seed, f"the {split} split", True)
+    numbered = [(f"joined{index}", text) for index, (_, text) in enumerate(windows)]
+    random.Random(seed).shuffle(numbered)
+    if count is not None and len(numbered) < count:
+        raise ValueError(
+            f"the {split} split's essays joined give {len(numbered)} windows of {n_tokens} tokens, not {count}; ask "
+            "for fewer texts or shorter ones"
+        )
+    return numbered if count is None else numbered[:count]
+
+
 def document_excerpts(
     tokenizer,
     documents: list[tuple[str, str]],

@@ -13,7 +13,8 @@ from caote.policies import expand_policies, hindsight_policies
 
 @dataclass(frozen=True)
 class GridPart:
-    """One task of a grid at its sizes (``subtasks`` and ``depths`` None: the task's defaults)."""
+    """One task of a grid at its sizes (``subtasks`` and ``depths`` None: the task's defaults; ``model``,
+    ``policies`` and ``budgets`` None: the run's model, the grid's policies and budgets)."""
 
     task: str
     lengths: tuple[int, ...]
@@ -22,6 +23,16 @@ class GridPart:
     depths: tuple[float, ...] | None = None
     protocols: tuple[str, ...] | None = None
     extra_policies: tuple[str, ...] = ()  # run on this part only (ablations), after the grid's policies
+    model: str | None = None
+    policies: tuple[str, ...] | None = None
+    budgets: tuple[int, ...] | None = None
+    scored_tail: int | None = None  # texts: score only the last tokens' predictions (`lockstep.scored_blocks`)
+    fidelity: bool = True  # texts: measure the attention-output error
+    label: str | None = None  # its name in the report and its rows' folder (None: the task's name)
+
+    @property
+    def key(self) -> str:
+        return self.label or self.task
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,56 @@ STANDARD_GRID = Grid(
         "NIAH depth 10 % is left out: the full cache answers it by repeating the question with this model.",
     ),
 )
+# long (docs/results/long.md): eviction where it is used, at 4k-8k tokens on two models and two kinds of text; only
+# the last 1,024 tokens' predictions are scored (a pass costs the model body over every token) and the fidelity
+# probe is off. Essays at these lengths are windows of the split's essays joined into one stream (9 test essays
+# reach 4k, one 8k). Parts in the order of issue 24: SmolLM2 at 4k (essays, code), Gemma-3 270M at 8k, then NIAH.
+LONG_POLICIES = ("streamingllm", "h2o", "h2o+caote", "tova", "tova+caote", "caote-block", "oracle", "learned+caote")
+LONG_TAIL = 1024
+LONG_GRID = Grid(
+    "long",
+    budgets=(256, 1024),
+    max_new_tokens=16,
+    parts=(
+        GridPart(
+            "perplexity-joined",
+            lengths=(4096,),
+            samples=10,
+            model="smollm2-135m",
+            scored_tail=LONG_TAIL,
+            fidelity=False,
+            label="smollm2-essays-4k",
+        ),
+        GridPart(
+            "perplexity-code",
+            lengths=(4096,),
+            samples=10,
+            model="smollm2-135m",
+            scored_tail=LONG_TAIL,
+            fidelity=False,
+            label="smollm2-code-4k",
+        ),
+        GridPart(
+            "perplexity-joined",
+            lengths=(8192,),
+            samples=10,
+            model="gemma3-270m",
+            policies=tuple(name for name in LONG_POLICIES if name != "learned+caote"),
+            scored_tail=LONG_TAIL,
+            fidelity=False,
+            label="gemma3-essays-8k",
+        ),
+    ),
+    policies=LONG_POLICIES,
+    notes=(
+        f"Only the predictions of each text's last {LONG_TAIL} tokens are scored (logits only there, in every pass); "
+        "no attention-output fidelity.",
+        "Essays at 4k-8k tokens are windows of the test split's essays joined into one stream (file-name order, a "
+        "blank line between essays): a window spans several essays and is the unit the intervals resample.",
+        "learned+caote uses the model's committed predictor (calibrated on dev code excerpts of 2,048 tokens); "
+        "Gemma-3 has none committed, so its parts leave the learned policy out.",
+    ),
+)
 FULL_GRID = Grid(
     "full",
     budgets=(128, 256, 512),
@@ -115,42 +176,45 @@ FULL_GRID = Grid(
 
 
 def part_configs(grid: Grid, config: EvalConfig, runs: Path) -> dict[str, EvalConfig]:
-    """One `EvalConfig` per part of ``grid`` (model, seed, split and progress from ``config``; its policies, or when
-    none were given the grid's own, hindsight ones on texts tasks only), writing rows to ``runs/<task>``."""
-    policies = list(config.policies or grid.policies or expand_policies(DEFAULT_POLICIES))
-    causal = [name for name in policies if name not in hindsight_policies(policies)]
-    return {
-        part.task: EvalConfig(
+    """One `EvalConfig` per part of ``grid``, by `GridPart.key` (seed, split and progress from ``config``; its model
+    unless the part names one; its policies, or when none were given the part's or the grid's own, hindsight ones
+    on texts tasks only), writing rows to ``runs/<key>``."""
+    configs = {}
+    for part in grid.parts:
+        policies = list(config.policies or part.policies or grid.policies or expand_policies(DEFAULT_POLICIES))
+        causal = [name for name in policies if name not in hindsight_policies(policies)]
+        configs[part.key] = EvalConfig(
             benchmark=part.task,
-            model=config.model,
+            model=part.model or config.model,
             policies=(policies if TASKS[part.task].texts is not None else causal)
             + list(part.extra_policies)
             + [name for name in grid.beyond if name not in policies],
-            budgets=list(grid.budgets),
+            budgets=list(part.budgets or grid.budgets),
             lengths=list(part.lengths),
             samples=part.samples,
             seed=config.seed,
             split=config.split,
-            out=runs / part.task,
+            out=runs / part.key,
             tasks=list(part.subtasks) if part.subtasks else None,
             depths=list(part.depths) if part.depths else None,
             protocols=list(part.protocols) if part.protocols else None,
             progress=config.progress,
             max_new_tokens=grid.max_new_tokens,
+            scored_tail=part.scored_tail,
+            fidelity=part.fidelity,
         )
-        for part in grid.parts
-    }
+    return configs
 
 
-GRIDS = {grid.name: grid for grid in (TRY_GRID, QUICK_GRID, STANDARD_GRID, FULL_GRID)}
+GRIDS = {grid.name: grid for grid in (TRY_GRID, QUICK_GRID, STANDARD_GRID, LONG_GRID, FULL_GRID)}
 
 
 def planned_rows(configs: dict[str, EvalConfig]) -> dict[str, int]:
-    """Rows a complete run writes per task (full once per example + evicting policies x budgets), for every task
-    whose spec can count its examples."""
+    """Rows a complete run writes per part (full once per example + evicting policies x budgets), for every part
+    whose task can count its examples."""
     planned = {}
     for name, config in configs.items():
-        count = TASKS[name].count
+        count = TASKS[config.benchmark].count
         if count is not None:
             per_example = 1 + len([p for p in config.policies if p != FULL]) * len(config.budgets)
             planned[name] = per_example * count(config)

@@ -10,6 +10,10 @@ then reads the same blocks under its own `EvictionCache` (`track`) and is compar
   ``kl_evicted`` averages only the predictions made by blocks that attend an evicted cache;
 * fidelity (optional, see `caote.evaluation.fidelity`): the relative error of every layer's attention output.
 
+With ``scored_tail`` only the predictions of a text's last ``scored_tail`` tokens (rounded up to whole blocks) are
+scored, in every pass, the reference's included: the blocks before them run the model body and keep one row of
+logits, which at 4k-8k tokens and a 262k vocabulary is most of the saving (`scored_blocks`).
+
 Blocks before a policy's first eviction are not recomputed when the policy carries no state into that eviction
 (every base but H2O's running sum): their forwards equal the full cache's, so the policy's cache starts from the
 reference's state at that block (`skippable_blocks`); the result is identical (tested), at a fraction of the cost.
@@ -83,17 +87,35 @@ class Reference:
     outputs: list[list[torch.Tensor]] | None
     future: FutureAttention | None
     nll: float
+    first_scored: int = 0  # index of the first block whose predictions are scored (`scored_blocks`)
 
     def predictions(self, index: int) -> torch.Tensor:
         """Log-prob rows of the full cache predicting the tokens of block ``index``."""
         return _predictions(self.log_probs[index - 1][-1] if index else None, self.log_probs[index])
 
 
-def _forward(model, block: torch.Tensor, cache: EvictionCache, seen: int) -> torch.Tensor:
-    """Log-probabilities ``(q, V)`` of one block run against ``cache`` (which already holds ``seen`` tokens)."""
+def _forward(model, block: torch.Tensor, cache: EvictionCache, seen: int, every_row: bool = True) -> torch.Tensor:
+    """Log-probabilities ``(q, V)`` of one block run against ``cache`` (which already holds ``seen`` tokens); only
+    the last row's ``(1, V)`` unless ``every_row``."""
     mask = torch.ones(1, seen + block.shape[1], dtype=torch.long, device=block.device)
-    output = model(input_ids=block, attention_mask=mask, cache=cache, use_cache=True)
+    output = model(
+        input_ids=block, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=0 if every_row else 1
+    )
     return F.log_softmax(output.logits[0].float(), dim=-1)
+
+
+def scored_blocks(tokens: int, block_size: int, scored_tail: int | None) -> int:
+    """Index of the first block whose predictions are scored: 0 (every prediction) without ``scored_tail``, else the
+    block holding token ``tokens - scored_tail`` (so at least the last ``scored_tail`` tokens are scored; the
+    previous block's last row predicts that block's first token)."""
+    if scored_tail is None or scored_tail >= tokens - 1:
+        return 0
+    return (tokens - scored_tail) // block_size
+
+
+def _scored_predictions(tokens: int, block_size: int, first_scored: int) -> int:
+    """How many tokens are predicted and scored: tokens 2..T, or from block ``first_scored`` on."""
+    return tokens - 1 if first_scored == 0 else tokens - first_scored * block_size
 
 
 def _blocks(input_ids: torch.Tensor, block_size: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -123,25 +145,29 @@ def reference_pass(
     fidelity: bool = False,
     future: bool = False,
     states: set[int] | None = None,
+    scored_tail: int | None = None,
 ) -> Reference:
     """The full cache over ``input_ids`` ``(1, T)``: per-block log-probs, attention outputs when ``fidelity``, the
     attention received from later queries (for ``oracle``) when ``future``, and the cache state after each block in
     ``states`` (None: every block; each state holds its own keys and values, so keep only those a track starts
-    from)."""
+    from). ``scored_tail``: score only the last tokens (`scored_blocks`); earlier blocks keep their last row."""
     input_ids = _check_ids(model, input_ids)
+    first_scored = scored_blocks(input_ids.shape[1], block_size, scored_tail)
     recorder = FutureAttention() if future else None
     log_probs, snapshots, outputs, nll = [], [], [] if fidelity else None, 0.0
     with ExitStack() as stack, torch.no_grad():
         cache = stack.enter_context(_ReferenceCache(model, block_size, recorder))
         capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
         for index, (start, block, targets) in enumerate(_blocks(input_ids, block_size)):
-            log_probs.append(_forward(model, block, cache, start))
+            log_probs.append(_forward(model, block, cache, start, index >= first_scored))
             snapshots.append(cache.snapshot() if states is None or index in states else None)
             if capture is not None:
                 outputs.append(capture.take())
-            predictions = _predictions(log_probs[index - 1][-1] if index else None, log_probs[index])
-            nll -= predictions.gather(1, targets).sum().item()
-    return Reference(block_size, log_probs, snapshots, outputs, recorder.finish() if recorder else None, nll)
+            if index >= first_scored:
+                predictions = _predictions(log_probs[index - 1][-1] if index else None, log_probs[index])
+                nll -= predictions.gather(1, targets).sum().item()
+    future_attention = recorder.finish() if recorder else None
+    return Reference(block_size, log_probs, snapshots, outputs, future_attention, nll, first_scored)
 
 
 def skippable_blocks(policy: str, budget: int | None, block_size: int, tokens: int) -> int:
@@ -202,13 +228,18 @@ def track(
             cache.restore(reference.snapshots[skipped - 1])
         last, last_evicted = None, False
         for index, (start, block, targets) in enumerate(blocks):
+            scored = index >= reference.first_scored
             if index < skipped:
                 lp, outputs = reference.log_probs[index], reference.outputs[index] if fidelity else None
             else:
-                lp, outputs = _forward(model, block, cache, start), capture.take() if fidelity else None
+                lp = _forward(model, block, cache, start, scored)
+                outputs = capture.take() if fidelity else None
             evicted = budget is not None and measured(start, budget)
             if fidelity and measured(start, budget):
                 tally.meter.add(outputs, reference.outputs[index])
+            if not scored:
+                last, last_evicted = lp[-1], evicted
+                continue
             full_pred, pred = reference.predictions(index), _predictions(last, lp)
             nll = -pred.gather(1, targets).sum().item()
             kl = (full_pred.exp() * (full_pred - pred)).sum(-1)
@@ -223,11 +254,14 @@ def track(
                 tally.block_nll.append(nll / kl.shape[0])
                 tally.block_kl.append(kl.mean().item())
             last, last_evicted = lp[-1], evicted
-    return _result(policy, budget, tally, reference.nll, input_ids.shape[1], time.perf_counter() - began, skipped)
+    total = input_ids.shape[1]
+    predictions = _scored_predictions(total, reference.block_size, reference.first_scored)
+    return _result(policy, budget, tally, reference.nll, total, predictions, time.perf_counter() - began, skipped)
 
 
-def _result(policy, budget, tally: _Tally, full_nll: float, total: int, seconds: float, skipped: int) -> dict:
-    predictions = total - 1
+def _result(
+    policy, budget, tally: _Tally, full_nll: float, total: int, predictions: int, seconds: float, skipped: int
+) -> dict:
     ppl = float(torch.tensor(tally.nll / predictions).exp())
     ppl_full = float(torch.tensor(full_nll / predictions).exp())
     meter = tally.meter
@@ -267,14 +301,17 @@ def lockstep_results(
     fidelity: bool = False,
     skip_prefix: bool = True,
     predictor: str | None = None,
+    scored_tail: int | None = None,
 ) -> Iterator[dict]:
     """One full-cache pass over ``input_ids`` ``(1, T)``, then the result of every ``(policy, budget)`` in ``runs``,
-    yielded as soon as it is computed (so a caller can save each one), each with the full cache's PPL."""
+    yielded as soon as it is computed (so a caller can save each one), each with the full cache's PPL (over the
+    last ``scored_tail`` tokens' predictions when given: `scored_blocks`)."""
     needs_future = bool(hindsight_policies([policy for policy, _ in runs]))
     tokens = input_ids.shape[-1]
     starts = {skippable_blocks(policy, budget, block_size, tokens) for policy, budget in runs} if skip_prefix else set()
     began = time.perf_counter()
-    reference = reference_pass(model, input_ids, block_size, fidelity, needs_future, {s - 1 for s in starts if s})
+    states = {s - 1 for s in starts if s}
+    reference = reference_pass(model, input_ids, block_size, fidelity, needs_future, states, scored_tail)
     reference_seconds = time.perf_counter() - began
     for policy, budget in runs:
         result = track(model, input_ids, reference, policy, budget, skip_prefix, predictor)

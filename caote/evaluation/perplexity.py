@@ -8,14 +8,21 @@ three, ``fidelity`` only the last.
 
 from __future__ import annotations
 
-from caote.evaluation.data import code_excerpts, essay_excerpts
+from caote.evaluation.data import code_excerpts, essay_excerpts, joined_essay_excerpts
 from caote.evaluation.reference import FULL
 from caote.evaluation.tasks import MetricSpec, Task, Text, joined
 
 DEFAULT_TEXTS = 2
 
 
-DOMAINS = ("essays", "code")  # the kinds of text (`caote.evaluation.data`): Paul Graham essays, Python source
+# the kinds of text (`caote.evaluation.data`): Paul Graham essays, Python source, and for lengths few essays reach the
+# essays of a split joined into one stream; each with its excerpt function and text-id prefix
+SOURCES = {
+    "essays": (essay_excerpts, "essay"),
+    "code": (code_excerpts, "code"),
+    "essays-joined": (joined_essay_excerpts, "essays"),
+}
+DOMAINS = tuple(SOURCES)
 
 
 def domain_texts(
@@ -23,11 +30,11 @@ def domain_texts(
 ) -> list[Text]:
     """``samples`` excerpts of each length (tokens) of ``domain``, one per distinct document while there are enough
     (`caote.evaluation.data.document_excerpts`; ``every``: all non-overlapping excerpts), ids
-    ``essay-<name>-<length>`` or ``code-<module>-<length>`` (``-k`` for a document's k-th excerpt)."""
-    if domain not in DOMAINS:
+    ``essay-<name>-<length>``, ``code-<module>-<length>`` (``-k`` for a document's k-th excerpt) or
+    ``essays-joined<k>-<length>`` (the k-th window of the joined essays)."""
+    if domain not in SOURCES:
         raise ValueError(f"unknown domain {domain!r}; expected one of {', '.join(DOMAINS)}")
-    excerpts = essay_excerpts if domain == "essays" else code_excerpts
-    prefix = "essay" if domain == "essays" else "code"
+    excerpts, prefix = SOURCES[domain]
     result = []
     for length in lengths:
         seen: dict[str, int] = {}
@@ -52,6 +59,13 @@ def config_texts(config, tokenizer) -> list[Text]:
 def code_config_texts(config, tokenizer) -> list[Text]:
     """Excerpts of the pinned standard-library files of the config's split (`domain_texts`, domain ``code``)."""
     return domain_texts(tokenizer, "code", config.lengths, config.samples or DEFAULT_TEXTS, config.split, config.seed)
+
+
+def joined_config_texts(config, tokenizer) -> list[Text]:
+    """Windows of the config's split's essays joined into one stream (`domain_texts`, domain ``essays-joined``)."""
+    return domain_texts(
+        tokenizer, "essays-joined", config.lengths, config.samples or DEFAULT_TEXTS, config.split, config.seed
+    )
 
 
 def count(config) -> int:
@@ -118,5 +132,17 @@ CODE_TASK = Task(
     texts=code_config_texts,
     count=count,
     describe=lambda config, rows: describe(config, rows, "excerpts of distinct Python 3.11.7 standard-library files"),
+    figures=("fidelity_layers",),
+)
+
+JOINED_TASK = Task(
+    name="perplexity-joined",
+    title="Perplexity and KL on joined essays",
+    metrics=TASK.metrics,
+    texts=joined_config_texts,
+    count=count,
+    describe=lambda config, rows: describe(
+        config, rows, "windows of the split's Paul Graham essays joined into one stream (a window spans essays)"
+    ),
     figures=("fidelity_layers",),
 )

@@ -18,6 +18,7 @@ TASKS: dict[str, Task] = {
         perplexity.TASK,
         perplexity.FIDELITY_TASK,
         perplexity.CODE_TASK,
+        perplexity.JOINED_TASK,
     )
 }
 

@@ -30,6 +30,31 @@ def _load(config: EvalConfig, state):
     return load_model(config.model, device=device)
 
 
+def run_parts(configs: dict[str, EvalConfig], state, rank: int, world: int, progress: bool, description: str) -> None:
+    """The rows of every part, in order, with one overall progress bar (rows saved / planned); each part's model is
+    loaded when its first part starts (parts of one model are run together by the grids)."""
+    planned = planned_rows(configs)
+    done = sum(len(load_rows(part.out)) for part in configs.values()) if world == 1 else 0
+    total = sum(planned.values()) if world == 1 and len(planned) == len(configs) else None
+    bar = tqdm(
+        total=total,
+        initial=done,
+        desc=description,
+        unit="row",
+        disable=not progress or rank != 0,
+        dynamic_ncols=True,
+        bar_format="{desc}: {n_fmt}/{total_fmt} {bar} [{elapsed} elapsed, {remaining} remaining]",
+    )
+    loaded, model, tokenizer = None, None, None
+    for part in configs.values():
+        if part.model != loaded:
+            model = tokenizer = None  # the previous model's memory goes before the next one loads
+            model, tokenizer = _load(part, state)
+            loaded = part.model
+        run_rows(part, model, tokenizer, rank, world, bar=bar)
+    bar.close()
+
+
 def run_benchmark(config: EvalConfig) -> int:
     """Run ``config.benchmark`` (this process's shard), then summarise on process 0."""
     if config.threads:
@@ -66,21 +91,7 @@ def run_report(config: EvalConfig) -> int:
     planned = planned_rows(configs)
     state, rank, world = distributed_state()
     if not config.summarise_only:
-        model, tokenizer = _load(config, state)
-        done = sum(len(load_rows(part.out)) for part in configs.values()) if world == 1 else 0
-        total = sum(planned.values()) if world == 1 and len(planned) == len(configs) else None
-        bar = tqdm(
-            total=total,
-            initial=done,
-            desc=f"{grid.name} grid, rows",
-            unit="row",
-            disable=not config.progress or rank != 0,
-            dynamic_ncols=True,
-            bar_format="{desc}: {n_fmt}/{total_fmt} {bar} [{elapsed} elapsed, {remaining} remaining]",
-        )
-        for part in configs.values():
-            run_rows(part, model, tokenizer, rank, world, bar=bar)
-        bar.close()
+        run_parts(configs, state, rank, world, config.progress, f"{grid.name} grid, rows")
     state.wait_for_everyone()
     if rank != 0:
         return 0

@@ -247,7 +247,13 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
                 continue
             ids = tokenizer(text, return_tensors="pt").input_ids
             results = lockstep_results(
-                model, ids, pending, block_size=config.block_size, fidelity=True, predictor=predictor
+                model,
+                ids,
+                pending,
+                block_size=config.block_size,
+                fidelity=config.fidelity,
+                predictor=predictor,
+                scored_tail=config.scored_tail,
             )
             for result in results:
                 store.append(
@@ -263,6 +269,7 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
                         "meta": {"length": length},
                         "unit": unit,
                         "predictor": None if predictor is None else Path(predictor).name,
+                        "scored_tail": config.scored_tail,
                         "rank": rank,
                         "num_processes": world,
                         "commit": commit,
