@@ -77,9 +77,9 @@ def test_gemma3_loads_offline_as_a_hybrid_model_whose_three_global_layers_evict(
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
     assert prompt[0, 0] == tokenizer.bos_token_id  # a base model: completion prompts start at <bos>
     with torch.no_grad():
-        full = model.generate(prompt, past_key_values=DynamicCache(config=config), max_new_tokens=6, do_sample=False)
+        full = model.generate(prompt, cache=DynamicCache(config=config), max_new_tokens=6, do_sample=False)
         cache = EvictionCache(model, budget=64, policy="h2o+caote")
-        kept = model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        kept = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False)
     assert torch.equal(full, kept)  # nothing to evict: token for token the full cache
     long = tokenizer(" ".join(essays("test"))[:4000], return_tensors="pt").input_ids[:, :700]
     cache = EvictionCache(model, budget=256, policy="h2o+caote")
@@ -90,3 +90,76 @@ def test_gemma3_loads_offline_as_a_hybrid_model_whose_three_global_layers_evict(
     assert len(evicting) == 3 and all(layer.keys.shape[-2] == 256 for layer in evicting)
     sliding = [layer for layer in cache.layers if not isinstance(layer, EvictionLayer)]
     assert len(sliding) == 15 and all(isinstance(layer, DynamicSlidingWindowLayer) for layer in sliding)
+
+
+def _text_rows(policy: str, budget, kls: list[float], model: str = "smollm2-135m") -> list[dict]:
+    return [
+        {
+            "key": f"{model}|t{i}|{policy}|{budget}",
+            "benchmark": "perplexity-joined",
+            "model": model,
+            "example_id": f"essays-joined{i}-4096",
+            "unit": f"joined{i}",
+            "task": "essays",
+            "policy": policy,
+            "budget": budget,
+            "kl": kl,
+            "ppl_delta": 10 * kl,
+            "ppl_full": 20.0,
+            "seconds": 30.0,
+            "commit": "abc1234",
+        }
+        for i, kl in enumerate(kls)
+    ]
+
+
+def test_the_oracle_gap_table_names_the_best_paper_policy_per_budget():
+    from caote.evaluation.long_results import oracle_gap_table
+
+    rows = (
+        _text_rows("h2o", 256, [0.10, 0.12])
+        + _text_rows("h2o+caote", 256, [0.08, 0.10])
+        + _text_rows("oracle", 256, [0.03, 0.03])
+        + _text_rows("caote-block", 256, [0.01, 0.01])  # ours: never the "best paper policy"
+    )
+    table = oracle_gap_table(rows, [256, 1024])
+    assert "| 256 | h2o+caote | 0.0900 | 0.0300 | 3.0x |" in table
+    assert "| 1024 | – | – | – | – |" in table
+
+
+def test_the_long_document_is_written_alone_and_spliced_into_results_md_which_the_standard_writer_keeps(tmp_path):
+    from caote.evaluation.document import SPLICE_BEGIN, SPLICE_END, spliced_block, write_results_md
+    from caote.evaluation.grids import STANDARD_GRID
+    from caote.evaluation.long_results import write_long_md
+
+    config = report_config("--grid", "long", "--docs", str(tmp_path))
+    configs = part_configs(LONG_GRID, config, tmp_path / "results" / "runs" / "long")
+    rows = {key: [] for key in configs}
+    rows["smollm2-essays-4k"] = (
+        _text_rows("full", None, [0.0] * 6)
+        + _text_rows("h2o", 256, [0.10, 0.12, 0.11, 0.13, 0.09, 0.10])
+        + _text_rows("h2o+caote", 256, [0.08, 0.10, 0.09, 0.11, 0.08, 0.09])
+        + _text_rows("oracle", 256, [0.03] * 6)
+    )
+    results_md = tmp_path / "results.md"
+    results_md.write_text("# Results\n\nOLD STANDARD TEXT\n", encoding="utf-8")
+    planned = planned_rows(configs)
+    document = tmp_path / "results" / "long.md"
+    write_long_md(document, LONG_GRID, configs, rows, planned, tmp_path / "results", results_md)
+    alone = document.read_text(encoding="utf-8")
+    assert alone.startswith("# Long contexts") and "**Incomplete run:** smollm2-essays-4k has 24 of 170" in alone
+    assert "## SmolLM2-135M-Instruct · essays (joined) · 4096 tokens" in alone
+    assert "CAOTE lowers the KL from the full cache for H2O" in alone and "attn-output error" not in alone
+    assert "](long_kl_vs_budget.png)" in alone  # the plot, linked from docs/results/
+    combined = results_md.read_text(encoding="utf-8")
+    assert combined.startswith("# Results\n\nOLD STANDARD TEXT\n") and combined.count(SPLICE_BEGIN) == 1
+    assert "### SmolLM2-135M-Instruct · essays (joined) · 4096 tokens" in combined  # one level down
+    assert "](results/long_kl_vs_budget.png)" in combined  # linked from docs/
+    write_long_md(document, LONG_GRID, configs, rows, planned, tmp_path / "results", results_md)
+    assert results_md.read_text(encoding="utf-8") == combined  # rewritten in place, not appended again
+    block = spliced_block(combined)
+    assert block.startswith(SPLICE_BEGIN) and block.rstrip().endswith(SPLICE_END)
+    standard = report_config("--grid", "standard", "--docs", str(tmp_path))
+    write_results_md(results_md, STANDARD_GRID, standard, {}, {}, {}, {}, {}, runs=tmp_path / "results" / "runs")
+    rewritten = results_md.read_text(encoding="utf-8")
+    assert "OLD STANDARD TEXT" not in rewritten and rewritten.endswith(block)  # the standard grid keeps the section

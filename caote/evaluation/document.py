@@ -15,6 +15,10 @@ from caote.evaluation.stats import Estimate
 from caote.evaluation.summary import INTERVAL_NOTE, render_pieces
 from caote.evaluation.tables import policy_order
 
+# the long grid's section of docs/results.md (`caote.evaluation.long_results`), kept when another grid rewrites it
+SPLICE_BEGIN = "<!-- long grid: written by `caote eval report --grid long --docs docs`; kept by the other grids -->"
+SPLICE_END = "<!-- end of the long grid -->"
+
 
 def headline_columns(summaries: dict) -> list[tuple[str, str, str, str, int]]:
     """``(task, metric, view, column label, digits)`` of every headline metric of the summarised tasks, registry
@@ -28,7 +32,9 @@ def headline_columns(summaries: dict) -> list[tuple[str, str, str, str, int]]:
             if not metric.headline:
                 continue
             tasks = {r["task"] for r in records if r["metric"] == metric.name}
-            if "all" in tasks or not tasks:
+            if not tasks:  # not measured (the long grid has no fidelity)
+                continue
+            if "all" in tasks:
                 columns.append((task.name, metric.name, "all", metric.headline, metric.digits))
             else:
                 columns += [
@@ -193,8 +199,9 @@ def write_results_md(
     for name, pieces in summaries.items():
         lines += [f"## {TASKS[name].title}", "", render_pieces(name, pieces, relative_to=path.parent), ""]
     text = "\n".join(lines).replace("CONCLUSIONS_PLACEHOLDER", _hand_written(path.parent, grid, "conclusions"))
+    kept = spliced_block(path.read_text(encoding="utf-8")) if path.is_file() else ""  # the long grid's section
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    path.write_text(text.rstrip("\n") + "\n\n" + kept if kept else text, encoding="utf-8")
 
 
 def _hand_written(docs: Path, grid: Grid, part: str) -> str:
@@ -234,3 +241,24 @@ def beyond_section(grid: Grid, summaries: dict, rows: dict, docs: Path) -> list[
         _hand_written(docs, grid, "beyond"),
         "",
     ]
+
+
+def demote(text: str) -> str:
+    """Every Markdown heading one level down (``#`` -> ``##``), so a document can sit inside another."""
+    return "\n".join(f"#{line}" if line.startswith("#") else line for line in text.splitlines())
+
+
+def splice(document: str, section: str) -> str:
+    """``document`` with its `SPLICE_BEGIN` ... `SPLICE_END` block replaced by ``section`` (appended when absent)."""
+    block = f"{SPLICE_BEGIN}\n\n{section.strip()}\n\n{SPLICE_END}\n"
+    if SPLICE_BEGIN in document and SPLICE_END in document:
+        before, rest = document.split(SPLICE_BEGIN, 1)
+        return before + block + rest.split(SPLICE_END, 1)[1].lstrip("\n")
+    return document.rstrip("\n") + "\n\n" + block
+
+
+def spliced_block(document: str) -> str:
+    """The `SPLICE_BEGIN` ... `SPLICE_END` block of ``document`` (with its markers), or nothing."""
+    if SPLICE_BEGIN not in document or SPLICE_END not in document:
+        return ""
+    return SPLICE_BEGIN + document.split(SPLICE_BEGIN, 1)[1].split(SPLICE_END, 1)[0] + SPLICE_END + "\n"

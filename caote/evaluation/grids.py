@@ -46,6 +46,7 @@ class Grid:
     policies: tuple[str, ...] | None = None  # the grid's own policies, used unless --policies is given
     notes: tuple[str, ...] = ()  # lines for the Setup section of results.md
     beyond: tuple[str, ...] = ()  # our policies beyond the paper: run on every part, judged in their own section
+    own_document: str | None = None  # with --docs: its own file under docs/results/, spliced into results.md
 
 
 # try: the README's first command, real work on the bundled model in minutes (its measured time:
@@ -157,6 +158,7 @@ LONG_GRID = Grid(
         "learned+caote uses the model's committed predictor (calibrated on dev code excerpts of 2,048 tokens); "
         "Gemma-3 has none committed, so its parts leave the learned policy out.",
     ),
+    own_document="long.md",
 )
 FULL_GRID = Grid(
     "full",

@@ -76,11 +76,14 @@ def describe(config, rows: list[dict], kind: str = "excerpts of distinct Paul Gr
     full_ppl = [row["ppl_full"] for row in rows if row["policy"] == FULL]
     if rows and not all(row.get("unit") for row in rows):  # rows written before texts were distinct essays
         kind = "Paul Graham essay excerpts (seeded shuffles of the split, which can repeat essays)"
+    measured = "Perplexity / KL / fidelity" if config.fidelity else "Perplexity / KL"
+    if config.scored_tail:
+        measured += f" of the last {config.scored_tail} tokens' predictions"
     return (
-        f"Perplexity / KL / fidelity: {config.samples or DEFAULT_TEXTS} {kind} "
+        f"{measured}: {config.samples or DEFAULT_TEXTS} {kind} "
         f"({config.split} split) of up to {joined(config.lengths)} tokens, each policy against one full-cache pass "
         f"({len(rows)} rows). "
-        "Full-cache PPL per text: " + ", ".join(f"{ppl:.2f}" for ppl in full_ppl) + "."
+        + ("Full-cache PPL per text: " + ", ".join(f"{ppl:.2f}" for ppl in full_ppl) + "." if full_ppl else "")
     )
 
 

@@ -63,16 +63,46 @@ def plot_niah_heatmaps(rows: list[dict], path: Path, budget: int) -> Path | None
 
 
 def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: str) -> Path | None:
-    """One line per policy (mean with its 95 % interval as error bars); the full cache as a dashed line.
+    """One line per policy (mean with its 95 % interval as error bars); the full cache as a dashed line, the oracle
+    dashed with stars.
 
     Policies with equal values would draw on top of each other, so each line is shifted sideways by a small fixed
     fraction of a budget step (`_dodge`) and plain / +caote / +fastcaote get their own marker and line style; the
     legend sits outside the axes so it hides no error bar."""
-    budgets = sorted({r["budget"] for r in records if r["budget"] != ""})
-    if not budgets:
+    if not _budgets_of(records):
         return None
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7.5, 4.5))
+    _draw_metric_vs_budget(axis, records, ylabel, title)
+    return _save_with_legend(plt, figure, axis, path)
+
+
+def plot_panels_vs_budget(panels: list[tuple[str, list[dict]]], path: Path, ylabel: str) -> Path | None:
+    """`plot_metric_vs_budget` side by side: one panel per ``(title, records)`` (e.g. per model and kind of text),
+    one legend for all."""
+    panels = [(title, records) for title, records in panels if _budgets_of(records)]
+    if not panels:
+        return None
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
+    for axis, (title, records) in zip(axes[0], panels):
+        _draw_metric_vs_budget(axis, records, ylabel, title)
+        axis.grid(alpha=0.3)
+    handles = {label: handle for axis in axes[0] for handle, label in zip(*axis.get_legend_handles_labels())}
+    figure.legend(handles.values(), handles.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.95))
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def _budgets_of(records: list[dict]) -> list[int]:
+    return sorted({r["budget"] for r in records if r["budget"] != ""})
+
+
+def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -> None:
+    budgets = _budgets_of(records)
     styles = {"": "-", "+caote": "--", "+fastcaote": ":"}
     markers = {"": "o", "+caote": "s", "+fastcaote": "^"}
     colours = {
@@ -85,6 +115,7 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
         "caote-window": "tab:purple",
         "caote-block": "tab:red",
         "caote-ahead": "tab:brown",
+        "learned": "tab:cyan",
     }
     drawn = [p for p in policy_order({r["policy"] for r in records}) if p != FULL]
     for policy in policy_order({r["policy"] for r in records}):
@@ -104,17 +135,18 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
             [max(0.0, r["mean"] - r["ci_low"]) for r in chosen],
             [max(0.0, r["ci_high"] - r["mean"]) for r in chosen],
         ]
+        oracle = base == "oracle"
         axis.errorbar(
             x,
             y,
             yerr=error,
-            label="oracle (hindsight ceiling)" if base == "oracle" else policy,
+            label="oracle (hindsight ceiling)" if oracle else policy,
             color=colours.get(base),
             capsize=2,
-            marker="*" if base == "oracle" else markers.get(variant, "o"),
-            markersize=7 if base == "oracle" else 4,
-            linestyle="-." if gqa else styles.get(variant, "-"),
-            linewidth=2.2 if base.startswith("caote-") else 1.2,
+            marker="*" if oracle else markers.get(variant, "o"),
+            markersize=7 if oracle else 4,
+            linestyle="--" if oracle else "-." if gqa else styles.get(variant, "-"),
+            linewidth=2.2 if base.startswith("caote-") or base == "learned" else 1.2,
             alpha=0.85,
         )
     axis.set_xscale("log", base=2)
@@ -122,7 +154,6 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
     axis.set_xlabel("KV budget (tokens per layer)")
     axis.set_ylabel(ylabel)
     axis.set_title(title, fontsize=10)
-    return _save_with_legend(plt, figure, axis, path)
 
 
 def _dodge(index: int, count: int, spread: float = 0.18) -> float:

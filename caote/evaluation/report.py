@@ -14,6 +14,8 @@ from caote.evaluation.config import EvalConfig
 from caote.evaluation.document import write_results_md
 from caote.evaluation.glance import glance_table
 from caote.evaluation.grids import GRIDS, Grid, part_configs, planned_rows
+from caote.evaluation.long_results import write_long_md
+from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import load_rows
 from caote.evaluation.runner import distributed_state, run_rows
 from caote.evaluation.summary import summarise_benchmark, summarise_rows
@@ -74,7 +76,8 @@ def report_paths(config: EvalConfig, grid: Grid) -> tuple[Path, Path, Path]:
     ``<docs>/results/runs/<grid>``)."""
     if config.docs is not None:
         docs = Path(config.docs)
-        return docs / "results.md", docs / "results", docs / "results" / "runs" / grid.name
+        document = docs / "results" / grid.own_document if grid.own_document else docs / "results.md"
+        return document, docs / "results", docs / "results" / "runs" / grid.name
     out = Path(config.out)
     return out / "results.md", out, out / "runs"
 
@@ -96,6 +99,14 @@ def run_report(config: EvalConfig) -> int:
     if rank != 0:
         return 0
     rows = {name: load_rows(part.out) for name, part in configs.items()}
+    if grid.own_document:
+        results_md = Path(config.docs) / "results.md" if config.docs is not None else None
+        write_long_md(document, grid, configs, rows, planned, results, results_md)
+        for key, config in configs.items():
+            print(f"{key} ({config.model}, {config.benchmark}):")
+            print(glance_table({"perplexity" if TASKS[config.benchmark].texts else "niah": rows[key]}))
+        print(f"tables and plot: {document}")
+        return 0
     prefix = f"{grid.name}_" if config.docs is not None else ""
     summaries = {name: summarise_rows(rows[name], name, results, plot_prefix=prefix) for name in configs}
     # compute time actually spent on the rows (sum over rows and processes), not this call's wall time

@@ -1,0 +1,159 @@
+"""docs/results/long.md, written from the rows of the long grid: one section per part (model x kind of text x
+length), each with its headline table, the oracle gap per budget, the claims re-decided on its own units and our
+policies against the paper's; one plot of KL against budget with a panel per part; the hand-written reading kept in
+``results/long_reading.md``. With ``--docs`` the same sections are spliced into docs/results.md (between
+``SPLICE_BEGIN`` and ``SPLICE_END`` of `caote.evaluation.document`, whose writer keeps them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from caote.evaluation.beyond import beyond_records, beyond_table
+from caote.evaluation.claims import PAPER_POLICIES, claims, claims_table
+from caote.evaluation.document import demote, headline_table, splice
+from caote.evaluation.grids import Grid
+from caote.evaluation.plots import plot_panels_vs_budget
+from caote.evaluation.registry import TASKS
+from caote.evaluation.rows import row_commits
+from caote.evaluation.summary import INTERVAL_NOTE, summarise_rows
+from caote.evaluation.tables import values_by_cell
+
+MODEL_TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma-3 270M (base)"}
+TEXT_TITLES = {"perplexity": "essays", "perplexity-joined": "essays (joined)", "perplexity-code": "Python code"}
+OURS = ("caote-block", "learned+caote")  # our policies in this grid, judged against the paper's in each part
+PLOT = "long_kl_vs_budget.png"
+
+
+def part_title(config) -> str:
+    """``model · kind of text · length``, e.g. ``SmolLM2-135M-Instruct · Python code · 4096 tokens``."""
+    lengths = ", ".join(map(str, config.lengths))
+    what = TEXT_TITLES.get(config.benchmark, config.benchmark)
+    return f"{MODEL_TITLES.get(config.model, config.model)} · {what} · {lengths} tokens"
+
+
+def oracle_gap_table(rows: list[dict], budgets: list[int]) -> str:
+    """Per budget: the best paper policy (lowest mean KL), its KL, the oracle's and how many times lower it is."""
+    kl = values_by_cell(rows, "kl")
+    lines = ["| budget | best paper policy | its KL | oracle KL | best paper / oracle |", "|---|---|---|---|---|"]
+    for budget in budgets:
+        means = {
+            name: sum(cell.values()) / len(cell)
+            for (name, b), cell in kl.items()
+            if b == budget and cell and (name in PAPER_POLICIES or name == "oracle")
+        }
+        paper = {name: mean for name, mean in means.items() if name != "oracle"}
+        if not paper or "oracle" not in means:
+            lines.append(f"| {budget} | – | – | – | – |")
+            continue
+        best = min(paper, key=paper.get)
+        ratio = f"{paper[best] / means['oracle']:.1f}x" if means["oracle"] > 0 else "–"
+        lines.append(f"| {budget} | {best} | {paper[best]:.4f} | {means['oracle']:.4f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _part_section(key: str, config, rows: list[dict], pieces: dict, planned: int | None) -> list[str]:
+    budgets = list(config.budgets)
+    seconds = sum(float(row.get("seconds") or 0) for row in rows)
+    present = f"{len(rows)} of {planned} planned rows" if planned is not None else f"{len(rows)} rows"
+    decided = [claim for claim in claims({"perplexity": rows}, budgets) if claim.verdict != "not tested (no rows)"]
+    ours = [name for name in OURS if name in config.policies]
+    lines = [
+        f"## {part_title(config)}",
+        "",
+        f"Part `{key}`: {present}, {seconds / 60:.1f} min of rows (summed row seconds); rows under "
+        f"`{Path(config.out).as_posix()}/`.",
+        "",
+        headline_table({config.benchmark: pieces}),
+        "",
+        "Oracle gap (mean KL over the part's texts):",
+        "",
+        oracle_gap_table(rows, budgets),
+        "",
+        "Claims, decided on this part's texts (paired 95 % intervals, every budget):",
+        "",
+        claims_table(decided),
+        "",
+    ]
+    if ours:
+        lines += [
+            "Our policies against every paper policy (as in the standard grid's *Beyond the paper*):",
+            "",
+            beyond_table(beyond_records({"perplexity": rows}, ours, budgets)),
+            "",
+        ]
+    return lines
+
+
+def long_sections(grid: Grid, configs: dict, rows: dict, planned: dict, results: Path, relative_to: Path) -> list[str]:
+    """The long grid's document body (setup, one section per part, the plot, the reading), image links relative to
+    ``relative_to``; tables and the plot are written under ``results``."""
+    counts = {key: len(value) for key, value in rows.items()}
+    missing = [f"{key} has {counts.get(key, 0)} of {n}" for key, n in planned.items() if counts.get(key, 0) < n]
+    commits = ", ".join(f"`{commit}`" for commit in row_commits(r for value in rows.values() for r in value))
+    budgets = sorted({budget for config in configs.values() for budget in config.budgets})
+    lines = [
+        f"Rows computed with the code at {commits or '`none`'} (as stored in each row).",
+        "",
+        ("**Incomplete run:** " + "; ".join(missing) + " rows; the tables show the rows that exist.")
+        if missing
+        else f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())}).",
+        "",
+        "Setup:",
+        "",
+        f"- Budgets {', '.join(map(str, budgets))} tokens per layer and KV head (a hybrid model's sliding-window "
+        "layers keep their own window); blocks of 128 with eviction after every block.",
+        *(f"- {part_title(config)}: {_described(config, rows.get(key, []))}" for key, config in configs.items()),
+        *(f"- {note}" for note in grid.notes),
+        f"- {INTERVAL_NOTE}",
+        "",
+    ]
+    panels = []
+    for key, config in configs.items():
+        part_rows = rows.get(key, [])
+        pieces = summarise_rows(part_rows, config.benchmark, results / "long", plot_prefix=f"{key}_", plots=False)
+        lines += _part_section(key, config, part_rows, pieces, planned.get(key))
+        kl = [r for r in pieces["records"] if r["metric"] == "kl" and r["task"] == "all"]
+        panels.append((part_title(config).replace(" · ", "\n", 1), kl))
+    plot = plot_panels_vs_budget(panels, results / PLOT, "KL(full ‖ policy), nats/token")
+    if plot is not None:
+        link = Path(plot).relative_to(relative_to).as_posix()
+        lines += ["## KL against budget", "", f"![KL from the full cache vs budget, one panel per part]({link})", ""]
+    reading = results / "long_reading.md"
+    if reading.is_file():
+        lines += [reading.read_text(encoding="utf-8").strip(), ""]
+    return lines
+
+
+def _described(config, rows: list[dict]) -> str:
+    task = TASKS[config.benchmark]
+    return task.describe(config, rows) if task.describe is not None else task.title
+
+
+def write_long_md(
+    path: Path, grid: Grid, configs: dict, rows: dict, planned: dict, results: Path, results_md: Path | None
+) -> None:
+    """``path`` (the long grid's document) and, when ``results_md`` is given and exists, its spliced section."""
+    where = f"--docs {results_md.parent}" if results_md else f"--out {path.parent}"
+    command = f"caote eval report --grid long {where}"
+    heading = [
+        "# Long contexts: eviction at 4k-8k tokens, two models, two kinds of text",
+        "",
+        f"Regenerate with `{command}` (resumable: finished rows are kept).",
+        "",
+    ]
+    body = long_sections(grid, configs, rows, planned, results, path.parent)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(heading + body), encoding="utf-8")
+    if results_md is not None and results_md.is_file():
+        spliced = long_sections(grid, configs, rows, planned, results, results_md.parent)
+        section = "\n".join(
+            [
+                "# Long contexts (grid `long`)",
+                "",
+                f"The long grid's document is [results/{path.name}](results/{path.name}); its sections:",
+                "",
+                *spliced,
+            ]
+        )
+        results_md.write_text(splice(results_md.read_text(encoding="utf-8"), demote(section)), encoding="utf-8")
