@@ -17,15 +17,29 @@ from caote.models import BUNDLED, GEMMA3, check_model_name
 def test_the_long_grid_runs_each_part_on_its_model_with_the_tail_scored_and_no_fidelity(tmp_path):
     config = report_config("--grid", "long", "--out", str(tmp_path))
     configs = part_configs(LONG_GRID, config, tmp_path / "runs")
-    assert list(configs) == ["smollm2-essays-4k", "smollm2-code-4k", "gemma3-essays-8k"]
-    for key, part in configs.items():
+    texts = ["smollm2-essays-4k", "smollm2-code-4k", "gemma3-essays-8k"]
+    assert list(configs) == texts[:2] + ["smollm2-niah-4k", texts[2], "gemma3-niah-8k"]
+    for key in texts:
+        part = configs[key]
         assert part.out == tmp_path / "runs" / key  # two parts of one task keep their rows apart
         assert part.scored_tail == LONG_TAIL and part.fidelity is False and part.budgets == [256, 1024]
-    assert [part.model for part in configs.values()] == ["smollm2-135m", "smollm2-135m", "gemma3-270m"]
+    models = [part.model for part in configs.values()]
+    assert models == ["smollm2-135m"] * 3 + ["gemma3-270m"] * 2  # one load per model
+    for key in ("smollm2-niah-4k", "gemma3-niah-8k"):
+        niah = configs[key]
+        assert niah.policies == ["full", "h2o", "h2o+caote", "tova+caote"] and niah.budgets == [256]
+        assert niah.protocols == ["in-prompt"] and len(niah.depths) * niah.samples == 10
     assert configs["smollm2-code-4k"].benchmark == "perplexity-code" and "oracle" in configs["smollm2-code-4k"].policies
     assert "learned+caote" not in configs["gemma3-essays-8k"].policies  # no predictor committed for Gemma-3
     # 10 texts x (full + 8 policies x 2 budgets) per SmolLM2 part, 7 policies on Gemma-3
-    assert planned_rows(configs) == {"smollm2-essays-4k": 170, "smollm2-code-4k": 170, "gemma3-essays-8k": 150}
+    # NIAH: 10 examples x (full + 3 policies at one budget)
+    assert planned_rows(configs) == {
+        "smollm2-essays-4k": 170,
+        "smollm2-code-4k": 170,
+        "smollm2-niah-4k": 40,
+        "gemma3-essays-8k": 150,
+        "gemma3-niah-8k": 40,
+    }
 
 
 def test_joined_essays_are_consecutive_windows_of_one_split_each_within_the_length(tokenizer):

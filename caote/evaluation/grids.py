@@ -112,9 +112,12 @@ STANDARD_GRID = Grid(
 # long (docs/results/long.md): eviction where it is used, at 4k-8k tokens on two models and two kinds of text; only
 # the last 1,024 tokens' predictions are scored (a pass costs the model body over every token) and the fidelity
 # probe is off. Essays at these lengths are windows of the split's essays joined into one stream (9 test essays
-# reach 4k, one 8k). Parts in the order of issue 24: SmolLM2 at 4k (essays, code), Gemma-3 270M at 8k, then NIAH.
+# reach 4k, one 8k). Parts by model (one load each): SmolLM2 at 4k (essays, code, NIAH), Gemma-3 270M at 8k
+# (essays, NIAH).
 LONG_POLICIES = ("streamingllm", "h2o", "h2o+caote", "tova", "tova+caote", "caote-block", "oracle", "learned+caote")
 LONG_TAIL = 1024
+LONG_NIAH_POLICIES = ("full", "h2o", "h2o+caote", "tova+caote")
+LONG_NIAH_DEPTHS = (20, 40, 60, 80, 90)  # x 2 samples: 10 examples per cell, in-prompt
 LONG_GRID = Grid(
     "long",
     budgets=(256, 1024),
@@ -139,6 +142,17 @@ LONG_GRID = Grid(
             label="smollm2-code-4k",
         ),
         GridPart(
+            "niah",
+            lengths=(4096,),
+            samples=2,
+            depths=LONG_NIAH_DEPTHS,
+            protocols=("in-prompt",),
+            model="smollm2-135m",
+            policies=LONG_NIAH_POLICIES,
+            budgets=(256,),
+            label="smollm2-niah-4k",
+        ),
+        GridPart(
             "perplexity-joined",
             lengths=(8192,),
             samples=10,
@@ -147,6 +161,17 @@ LONG_GRID = Grid(
             scored_tail=LONG_TAIL,
             fidelity=False,
             label="gemma3-essays-8k",
+        ),
+        GridPart(
+            "niah",
+            lengths=(8192,),
+            samples=2,
+            depths=LONG_NIAH_DEPTHS,
+            protocols=("in-prompt",),
+            model="gemma3-270m",
+            policies=LONG_NIAH_POLICIES,
+            budgets=(256,),
+            label="gemma3-niah-8k",
         ),
     ),
     policies=LONG_POLICIES,

@@ -20,7 +20,12 @@ from caote.evaluation.summary import INTERVAL_NOTE, summarise_rows
 from caote.evaluation.tables import values_by_cell
 
 MODEL_TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma-3 270M (base)"}
-TEXT_TITLES = {"perplexity": "essays", "perplexity-joined": "essays (joined)", "perplexity-code": "Python code"}
+TEXT_TITLES = {
+    "perplexity": "essays",
+    "perplexity-joined": "essays (joined)",
+    "perplexity-code": "Python code",
+    "niah": "NIAH (in-prompt)",
+}
 OURS = ("caote-block", "learned+caote")  # our policies in this grid, judged against the paper's in each part
 PLOT = "long_kl_vs_budget.png"
 
@@ -54,10 +59,12 @@ def oracle_gap_table(rows: list[dict], budgets: list[int]) -> str:
 
 def _part_section(key: str, config, rows: list[dict], pieces: dict, planned: int | None) -> list[str]:
     budgets = list(config.budgets)
+    texts = TASKS[config.benchmark].texts is not None
     seconds = sum(float(row.get("seconds") or 0) for row in rows)
     present = f"{len(rows)} of {planned} planned rows" if planned is not None else f"{len(rows)} rows"
-    decided = [claim for claim in claims({"perplexity": rows}, budgets) if claim.verdict != "not tested (no rows)"]
-    ours = [name for name in OURS if name in config.policies]
+    tested = claims({"perplexity" if texts else "niah": rows}, budgets)
+    decided = [claim for claim in tested if claim.verdict != "not tested (no rows)"]
+    ours = [name for name in OURS if name in config.policies] if texts else []
     lines = [
         f"## {part_title(config)}",
         "",
@@ -66,11 +73,11 @@ def _part_section(key: str, config, rows: list[dict], pieces: dict, planned: int
         "",
         headline_table({config.benchmark: pieces}),
         "",
-        "Oracle gap (mean KL over the part's texts):",
-        "",
-        oracle_gap_table(rows, budgets),
-        "",
-        "Claims, decided on this part's texts (paired 95 % intervals, every budget):",
+    ]
+    if texts:
+        lines += ["Oracle gap (mean KL over the part's texts):", "", oracle_gap_table(rows, budgets), ""]
+    lines += [
+        f"Claims, decided on this part's {'texts' if texts else 'examples'} (paired 95 % intervals, every budget):",
         "",
         claims_table(decided),
         "",
@@ -114,7 +121,8 @@ def long_sections(grid: Grid, configs: dict, rows: dict, planned: dict, results:
         pieces = summarise_rows(part_rows, config.benchmark, results / "long", plot_prefix=f"{key}_", plots=False)
         lines += _part_section(key, config, part_rows, pieces, planned.get(key))
         kl = [r for r in pieces["records"] if r["metric"] == "kl" and r["task"] == "all"]
-        panels.append((part_title(config).replace(" · ", "\n", 1), kl))
+        if kl:
+            panels.append((part_title(config).replace(" · ", "\n", 1), kl))
     plot = plot_panels_vs_budget(panels, results / PLOT, "KL(full ‖ policy), nats/token")
     if plot is not None:
         link = Path(plot).relative_to(relative_to).as_posix()
