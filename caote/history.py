@@ -50,11 +50,17 @@ class RecentRows:
         return self.window > block_rows
 
 
+# rows of `SumAndRecent`'s tensor
+KEY_TERM, KEY_TERM_POSITION, RECENT_START = 3, 4, 5
+
+
 @dataclass(frozen=True)
 class SumAndRecent:
-    """What the ``learned`` base reads (`caote.learned`), in one tensor ``(B, H_q, 3 + <=window, N)``: row 0 the
+    """What the ``learned`` base reads (`caote.learned`), in one tensor ``(B, H_q, 5 + <=window, N)``: row 0 the
     running sum of every row (H2O's), row 1 the sum and row 2 the maximum of the newest prompt block's rows (kept
-    through decode steps, which fold into rows 0 and 3+ only), rows 3+ the newest ``window`` rows."""
+    through decode steps, which fold into rows 0 and 3+ only), row 3 the token's key term of the predictor and row 4
+    the position it was computed for, plus one (0: none yet; `caote.learned.LayerPredictor.remember_keys` fills
+    them, and they travel with the token like every row), rows 5+ the newest ``window`` rows."""
 
     window: int
 
@@ -65,14 +71,18 @@ class SumAndRecent:
     def fold(self, history: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
         tokens = rows.shape[-1]
         if history is not None and history.shape[-1] < tokens:
-            history = F.pad(history, (0, tokens - history.shape[-1]))
+            history = F.pad(history, (0, tokens - history.shape[-1]))  # new tokens: no key term yet
         total = accumulate_attention(None if history is None else history[:, :, 0], rows)
         if rows.shape[-2] > 1 or history is None:
             block = [rows.sum(-2), rows.amax(-2)]
         else:
             block = [history[:, :, 1], history[:, :, 2]]
-        recent = keep_recent_rows(None if history is None else history[:, :, 3:], rows, self.window)
-        return torch.cat([torch.stack([total, *block], dim=2), recent], dim=2)
+        if history is None:
+            remembered = [torch.zeros_like(total), torch.zeros_like(total)]
+        else:
+            remembered = [history[:, :, KEY_TERM], history[:, :, KEY_TERM_POSITION]]
+        recent = keep_recent_rows(None if history is None else history[:, :, RECENT_START:], rows, self.window)
+        return torch.cat([torch.stack([total, *block, *remembered], dim=2), recent], dim=2)
 
     def carries_over(self, block_rows: int) -> bool:
         """Rows of earlier forwards reach an eviction: always, for the running sum."""

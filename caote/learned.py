@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from caote.history import KEY_TERM, KEY_TERM_POSITION, RECENT_START
 from caote.scoring import aggregate_groups, caote_errors, group_query_heads, normalise_weights
 
 FEATURE_SET = "caote-learned-1"  # bump when the features below change: a predictor of another set is refused
@@ -104,7 +105,7 @@ def token_features(inputs, groups: tuple[str, ...], unrotate: Callable | None, s
     positions = inputs.positions
     newest = positions.amax(-1, keepdim=True)
     seen_by = (newest + 1 - positions).clamp_min(1).float()  # queries that have seen the token (itself included)
-    recent = history[:, :, 3:]
+    recent = history[:, :, RECENT_START:]
     recent_seen = seen_by.clamp_max(recent.shape[2])
     recent_mean = per_kv_head(recent.sum(2)) / recent_seen
     recent_max = per_kv_head(recent.amax(2))
@@ -312,7 +313,10 @@ def _read_predictor(path: str, version: tuple[int, int, int]) -> Predictor:
 
 
 class LayerPredictor:
-    """One layer's map from features to predicted log future mass: ``(B, H_kv, N, F) @ (H_kv, F)``."""
+    """One layer's map from features to predicted log future mass: ``(B, H_kv, N, F) @ (H_kv, F)``.
+
+    The key's part of the sum, ``w_key . [k_j, k_j^2]`` with RoPE undone, never changes for a token, so it is
+    computed once per token (`remember_keys`) and kept in the layer's history; a step computes the other columns."""
 
     def __init__(self, weights: torch.Tensor, groups: tuple[str, ...], unrotate: Callable | None, sink_tokens: int):
         self.weights, self.groups, self.unrotate, self.sink_tokens = weights, groups, unrotate, sink_tokens
@@ -320,11 +324,52 @@ class LayerPredictor:
     def features(self, inputs) -> torch.Tensor:
         return token_features(inputs, self.groups, self.unrotate, self.sink_tokens)
 
+    def _key_columns(self, head_dim: int) -> slice:
+        """The columns of the key features (`feature_names` order: scalars, key, value)."""
+        start = len(feature_names(("scalars",), head_dim)) if "scalars" in self.groups else 0
+        return slice(start, start + 2 * head_dim)
+
+    def remember_keys(self, layer) -> None:
+        """Write the key term of every real token of ``layer`` that lacks one (new since the last eviction) into
+        its history (`caote.history.SumAndRecent`: rows ``KEY_TERM`` and ``KEY_TERM_POSITION``)."""
+        if "key" not in self.groups:
+            return
+        history, positions = layer.history, layer.positions
+        group = history.shape[1] // positions.shape[1]
+        missing = (history[:, ::group, KEY_TERM_POSITION] != positions + 1) & (positions >= 0)
+        counts = missing.sum(-1)
+        most = int(counts.max())
+        if most == 0:
+            return
+        if int(counts.min()) == most:  # as many in every KV head (a prompt block, a decode step): just those
+            slots = missing.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :most]
+        else:
+            slots = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
+        held = positions.gather(2, slots)
+        keys = layer.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]))
+        key = self.unrotate(keys.float(), held.clamp_min(0))
+        weights = self.weights[:, self._key_columns(key.shape[-1])].to(key.device)
+        term = torch.einsum("bhkf,hf->bhk", torch.cat([key, key.square()], dim=-1), weights)
+        index = slots.repeat_interleave(group, dim=1)
+        history[:, :, KEY_TERM].scatter_(-1, index, term.repeat_interleave(group, dim=1).to(history.dtype))
+        remembered = (held + 1).repeat_interleave(group, dim=1).to(history.dtype)
+        history[:, :, KEY_TERM_POSITION].scatter_(-1, index, remembered)
+
     def predict(self, inputs) -> torch.Tensor:
-        """``(B, H_kv, N)`` predicted log future mass of every token held."""
-        features = self.features(inputs)
-        weights = self.weights.to(features.device)
-        return torch.einsum("bhnf,hf->bhn", features, weights)
+        """``(B, H_kv, N)`` predicted log future mass of every token held (the key terms from the history)."""
+        if "key" not in self.groups:
+            features = self.features(inputs)
+            return torch.einsum("bhnf,hf->bhn", features, self.weights.to(features.device))
+        rest = tuple(group for group in self.groups if group != "key")
+        features = token_features(inputs, rest, self.unrotate, self.sink_tokens)
+        columns = self._key_columns(inputs.keys.shape[-1])
+        weights = torch.cat([self.weights[:, : columns.start], self.weights[:, columns.stop :]], dim=-1)
+        group = inputs.history.shape[1] // inputs.positions.shape[1]
+        remembered = inputs.history[:, ::group, KEY_TERM]
+        known = inputs.history[:, ::group, KEY_TERM_POSITION] == inputs.positions + 1
+        if not bool((known | (inputs.positions < 0)).all()):
+            raise RuntimeError("the learned policy's key terms are missing: call remember_keys before predict")
+        return torch.einsum("bhnf,hf->bhn", features, weights.to(features.device)) + remembered.float()
 
 
 def learned_score(inputs) -> torch.Tensor:

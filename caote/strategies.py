@@ -163,7 +163,9 @@ class Learned(Immediate):
         self.predictor, self.future = predictor, context.future if stand_in else None
 
     def inputs(self, index: int, layer) -> dict:
-        inputs = {"predictor": self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)}
+        predictor = self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)
+        predictor.remember_keys(layer)  # the key terms of the tokens new since the layer's last eviction
+        inputs = {"predictor": predictor}
         if self.future is not None:  # calibration: the targets the stand-in records
             inputs["future"] = self.future.at(index, layer.cumulative_length, layer.positions)
         return inputs

@@ -17,7 +17,7 @@ from caote.evaluation.calibration import (
     check_disjoint,
 )
 from caote.evaluation.tasks import Text
-from caote.history import AttentionSum, RecentRows, SumAndRecent
+from caote.history import RECENT_START, AttentionSum, RecentRows, SumAndRecent
 from caote.learned import PREDICTOR_DIR, Predictor, feature_names, model_fingerprint, rotary_inverse
 from caote.policies import parse_policy, policy_names
 from caote.settings import CacheSettings
@@ -46,7 +46,7 @@ def test_sum_and_recent_keeps_h2os_sum_the_block_and_the_newest_rows():
         history = SumAndRecent(4).fold(history, block)
         total = AttentionSum().fold(total, block)
         recent = RecentRows(4).fold(recent, block)
-    assert torch.allclose(history[:, :, 0], total) and torch.equal(history[:, :, 3:], recent)
+    assert torch.allclose(history[:, :, 0], total) and torch.equal(history[:, :, RECENT_START:], recent)
     last_block = torch.nn.functional.pad(rows[2], (0, 1))  # the decode step keeps the prompt block's statistics
     assert torch.allclose(history[:, :, 1], last_block.sum(2)) and torch.equal(history[:, :, 2], last_block.amax(2))
 
@@ -174,3 +174,47 @@ def test_the_grammar_names_the_learned_policies_everywhere():
     assert policy.base.schedule == "learned" and policy.transform == "caote" and not policy.base.hindsight
     with pytest.raises(ValueError, match="did you mean 'learned"):
         parse_policy("lerned+caote")
+
+
+def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama, monkeypatch):
+    from caote.learned import LayerPredictor, token_features
+
+    checked, unrotated = [], []
+    real_predict = LayerPredictor.predict
+
+    def compared(self, inputs):
+        split = real_predict(self, inputs)
+        every = token_features(inputs, self.groups, real_unrotate, self.sink_tokens)  # not counted below
+        whole = torch.einsum("bhnf,hf->bhn", every, self.weights)
+        assert torch.allclose(split, whole, rtol=1e-5, atol=1e-5)
+        checked.append(inputs.new_tokens)
+        return split
+
+    monkeypatch.setattr(LayerPredictor, "predict", compared)
+    cache = EvictionCache(llama, budget=48, policy="learned+caote", block_size=32)
+    real_unrotate = cache.strategy.unrotate
+
+    def counting(keys, positions):
+        unrotated.append(keys.shape[2])
+        return real_unrotate(keys, positions)
+
+    cache.strategy.unrotate = counting
+    greedy(llama, random_ids(100, seed=3), cache, new_tokens=6)
+    assert 32 in checked and 1 in checked  # prompt blocks and decode steps (in place)
+    layers = llama.config.num_hidden_layers
+    assert unrotated[-layers:] == [1] * layers  # a decode step undoes RoPE for its one new token only
+
+    def turn(seed: int) -> None:  # a new prompt turn, then two decode steps, each a forward of its own
+        seen = cache.get_seq_length()
+        for ids in (random_ids(8, seed=seed), random_ids(1, seed=seed + 1), random_ids(1, seed=seed + 2)):
+            mask = torch.ones(1, seen + ids.shape[1], dtype=torch.long)
+            with torch.no_grad():
+                llama(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+            seen += ids.shape[1]
+
+    count = len(checked)
+    snapshot = cache.snapshot()
+    turn(10)
+    cache.restore(snapshot)
+    turn(20)  # other tokens at the same positions: their key terms are computed again (compared above)
+    assert len(checked) == count + 2 * 3 * layers

@@ -128,6 +128,9 @@ class CollectingLayer(LayerPredictor):
         super().__init__(None, collector.groups, unrotate, sink_tokens)
         self.collector, self.index = collector, index
 
+    def remember_keys(self, layer) -> None:
+        """Nothing to remember: calibration records every feature column of every step."""
+
     def predict(self, inputs) -> torch.Tensor:
         features = self.features(inputs)
         positions = inputs.positions
