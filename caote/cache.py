@@ -291,6 +291,8 @@ class EvictionCache(Cache):
                 layer.decodes_in_place = self._decodes_in_place and not self.frozen
                 if layer.in_place and (not layer.decodes_in_place or layer.keys.shape[-2] != self.budget + 1):
                     layer.leave_slots()  # slots of another schedule or budget: back to arrival order
+        if self.strategy is not None:
+            self.strategy.restored(self.layers)
         self._shared.clear()
         self._bytes.reset(self.layers, snapshot.peak_kv_bytes)
         if snapshot.generator_state is not None and self._generator is not None:

@@ -58,7 +58,7 @@ KEY_TERM, KEY_TERM_POSITION, RECENT_START = 3, 4, 5
 class SumAndRecent:
     """What the ``learned`` base reads (`caote.learned`), in one tensor ``(B, H_q, 5 + <=window, N)``: row 0 the
     running sum of every row (H2O's), row 1 the sum and row 2 the maximum of the newest prompt block's rows (kept
-    through decode steps, which fold into rows 0 and 3+ only), row 3 the token's key term of the predictor and row 4
+    through decode steps, which fold into rows 0 and 5+ only), row 3 the token's key term of the predictor and row 4
     the position it was computed for, plus one (0: none yet; `caote.learned.LayerPredictor.remember_keys` fills
     them, and they travel with the token like every row), rows 5+ the newest ``window`` rows."""
 

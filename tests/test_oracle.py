@@ -3,6 +3,8 @@ taken from it give identical results, and every policy's row is saved as soon as
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import random_ids, tiny_model
@@ -162,19 +164,30 @@ def test_every_policy_row_is_saved_as_soon_as_it_is_computed(llama, tokenizer, t
 @pytest.mark.parametrize("policy", ["tova+caote", "h2o", "oracle"])
 def test_a_scored_tail_scores_exactly_the_last_blocks_of_a_whole_pass(llama, policy):
     ids = random_ids(7 * BLOCK + 5, seed=8)  # 8 blocks, the last of 5 tokens
-    runs = [("full", None), (policy, 64)]
+    runs = [("full", None), (policy, 64), (policy, 192)]  # 192: blocks 0-5 from the reference, into the scored ones
     whole = lockstep(llama, ids, runs, block_size=BLOCK)
     tail = list(lockstep_module.lockstep_results(llama, ids, runs, block_size=BLOCK, scored_tail=2 * BLOCK))
     first = lockstep_module.scored_blocks(ids.shape[1], BLOCK, 2 * BLOCK)
     assert first == 5  # token 7 * 32 + 5 - 64 = 165 lies in block 5: blocks 5, 6, 7 are scored
-    for every, last in zip(whole, tail):
+    if policy != "h2o":
+        assert tail[2]["blocks_from_reference"] == 6 > first
+    assert tail[0]["ppl_full"] == tail[1]["ppl_full"] != whole[0]["ppl_full"]  # the tail's own full-cache PPL
+    for every, last in zip(whole[:2], tail[:2]):  # full and b=64: every one of the last blocks is in the series
         assert last["predictions"] == ids.shape[1] - first * BLOCK == 2 * BLOCK + 5
         assert last["kl_blocks"] == pytest.approx(every["kl_blocks"][-3:], rel=1e-5, abs=1e-9)
         assert last["nll_blocks"] == pytest.approx(every["nll_blocks"][-3:], rel=1e-5)
         sizes = torch.tensor([BLOCK, BLOCK, 5], dtype=torch.float64)
         expected_kl = float((torch.tensor(every["kl_blocks"][-3:], dtype=torch.float64) * sizes).sum() / sizes.sum())
         assert last["kl"] == pytest.approx(expected_kl, rel=1e-5, abs=1e-9)
+        expected_nll = float((torch.tensor(every["nll_blocks"][-3:], dtype=torch.float64) * sizes).sum() / sizes.sum())
+        assert math.log(last["ppl_full"] + last["ppl_delta"]) == pytest.approx(expected_nll, rel=1e-5)
+    # b=192 first evicts in block 6: every KL before it is 0, so the tail holds the whole text's KL
+    every, last = whole[2], tail[2]
+    assert last["kl"] * last["predictions"] == pytest.approx(every["kl"] * every["predictions"], rel=1e-5)
+    assert last["kl_evicted"] == pytest.approx(every["kl_evicted"], rel=1e-5)
     assert tail[0]["kl"] == 0 and tail[1]["kl"] > 0
+    with pytest.raises(ValueError, match="at least 1 token"):
+        lockstep_module.scored_blocks(200, 32, 0)
 
 
 def test_no_scored_tail_or_one_as_long_as_the_text_scores_every_prediction():

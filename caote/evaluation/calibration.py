@@ -22,13 +22,14 @@ import re
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from caote.cache import EvictionCache
 from caote.defaults import CALIBRATION_BUDGETS, DEFAULT_BLOCK_SIZE, DEFAULT_FEATURE_GROUPS
-from caote.evaluation.data import document_excerpts, split_of
+from caote.evaluation.data import document_excerpts, essay_names, split_of
 from caote.evaluation.lockstep import reference_pass
 from caote.evaluation.perplexity import domain_texts
 from caote.evaluation.tasks import Text
@@ -192,11 +193,22 @@ def document_of(text_id: str) -> str:
     return f"{match.group(1)}:{match.group(2)}" if match else text_id
 
 
-def check_disjoint(predictor: Predictor, text_ids) -> None:
-    """Refuse to evaluate a learned policy on a text whose document (any excerpt, any length) its predictor was
-    calibrated on."""
+JOINED_ID = re.compile(r"essays-joined\d+-\d+")  # a window of a split's essays joined (`data.joined_essay_excerpts`)
+
+
+def documents_of(text_id: str, split: str) -> set[str]:
+    """The documents a text of ``split`` draws on: its own (`document_of`), or every essay of the split for a window
+    of the joined essays (which spans several)."""
+    if JOINED_ID.fullmatch(text_id):
+        return {f"essay:{Path(name).stem}" for name in essay_names(split)}
+    return {document_of(text_id)}
+
+
+def check_disjoint(predictor: Predictor, text_ids, split: str = "test") -> None:
+    """Refuse to evaluate a learned policy on a text (of ``split``) drawing on a document (any excerpt, any length)
+    its predictor was calibrated on."""
     calibrated = {document_of(text_id) for text_id in predictor.texts}
-    shared = sorted(text_id for text_id in text_ids if document_of(text_id) in calibrated)
+    shared = sorted(text_id for text_id in text_ids if documents_of(text_id, split) & calibrated)
     if shared:
         raise ValueError(
             f"the predictor was calibrated on the documents of {len(shared)} of the texts to evaluate "

@@ -245,7 +245,11 @@ def beyond_section(grid: Grid, summaries: dict, rows: dict, docs: Path) -> list[
 
 def demote(text: str) -> str:
     """Every Markdown heading one level down (``#`` -> ``##``), so a document can sit inside another."""
-    return "\n".join(f"#{line}" if line.startswith("#") else line for line in text.splitlines())
+    lines, fenced = [], False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        lines.append(f"#{line}" if line.startswith("#") and not fenced else line)
+    return "\n".join(lines)
 
 
 def splice(document: str, section: str) -> str:

@@ -180,7 +180,7 @@ LONG_GRID = Grid(
         "no attention-output fidelity.",
         "Essays at 4k-8k tokens are windows of the test split's essays joined into one stream (file-name order, a "
         "blank line between essays): a window spans several essays and is the unit the intervals resample.",
-        "learned+caote uses the model's committed predictor (calibrated on dev code excerpts of 2,048 tokens); "
+        "learned+caote uses the model's committed predictor (calibrated on 40 dev code excerpts of 1,024 tokens); "
         "Gemma-3 has none committed, so its parts leave the learned policy out.",
     ),
     own_document="long.md",
@@ -207,6 +207,8 @@ def part_configs(grid: Grid, config: EvalConfig, runs: Path) -> dict[str, EvalCo
     unless the part names one; its policies, or when none were given the part's or the grid's own, hindsight ones
     on texts tasks only), writing rows to ``runs/<key>``."""
     configs = {}
+    if len({part.key for part in grid.parts}) < len(grid.parts):
+        raise ValueError(f"grid {grid.name!r} has two parts of one name: give them distinct labels")
     for part in grid.parts:
         policies = list(config.policies or part.policies or grid.policies or expand_policies(DEFAULT_POLICIES))
         causal = [name for name in policies if name not in hindsight_policies(policies)]

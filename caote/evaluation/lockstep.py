@@ -90,7 +90,8 @@ class Reference:
     first_scored: int = 0  # index of the first block whose predictions are scored (`scored_blocks`)
 
     def predictions(self, index: int) -> torch.Tensor:
-        """Log-prob rows of the full cache predicting the tokens of block ``index``."""
+        """Log-prob rows of the full cache predicting the tokens of block ``index`` (a scored block)."""
+        assert index >= self.first_scored, f"block {index} is not scored (from block {self.first_scored} on)"
         return _predictions(self.log_probs[index - 1][-1] if index else None, self.log_probs[index])
 
 
@@ -108,6 +109,8 @@ def scored_blocks(tokens: int, block_size: int, scored_tail: int | None) -> int:
     """Index of the first block whose predictions are scored: 0 (every prediction) without ``scored_tail``, else the
     block holding token ``tokens - scored_tail`` (so at least the last ``scored_tail`` tokens are scored; the
     previous block's last row predicts that block's first token)."""
+    if scored_tail is not None and scored_tail < 1:
+        raise ValueError(f"scored_tail must be at least 1 token, got {scored_tail}")
     if scored_tail is None or scored_tail >= tokens - 1:
         return 0
     return (tokens - scored_tail) // block_size

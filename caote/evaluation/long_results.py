@@ -92,9 +92,9 @@ def _part_section(key: str, config, rows: list[dict], pieces: dict, planned: int
     return lines
 
 
-def long_sections(grid: Grid, configs: dict, rows: dict, planned: dict, results: Path, relative_to: Path) -> list[str]:
-    """The long grid's document body (setup, one section per part, the plot, the reading), image links relative to
-    ``relative_to``; tables and the plot are written under ``results``."""
+def long_sections(grid: Grid, configs: dict, rows: dict, planned: dict, results: Path) -> list[str]:
+    """The long grid's document body (setup, one section per part, the plot, the reading), its image linked from
+    ``results``, where its tables and the plot are written."""
     counts = {key: len(value) for key, value in rows.items()}
     missing = [f"{key} has {counts.get(key, 0)} of {n}" for key, n in planned.items() if counts.get(key, 0) < n]
     commits = ", ".join(f"`{commit}`" for commit in row_commits(r for value in rows.values() for r in value))
@@ -125,8 +125,7 @@ def long_sections(grid: Grid, configs: dict, rows: dict, planned: dict, results:
             panels.append((part_title(config).replace(" · ", "\n", 1), kl))
     plot = plot_panels_vs_budget(panels, results / PLOT, "KL(full ‖ policy), nats/token")
     if plot is not None:
-        link = Path(plot).relative_to(relative_to).as_posix()
-        lines += ["## KL against budget", "", f"![KL from the full cache vs budget, one panel per part]({link})", ""]
+        lines += ["## KL against budget", "", f"![KL from the full cache vs budget, one panel per part]({PLOT})", ""]
     reading = results / "long_reading.md"
     if reading.is_file():
         lines += [reading.read_text(encoding="utf-8").strip(), ""]
@@ -150,18 +149,20 @@ def write_long_md(
         f"Regenerate with `{command}` (resumable: finished rows are kept).",
         "",
     ]
-    body = long_sections(grid, configs, rows, planned, results, path.parent)
+    body = long_sections(grid, configs, rows, planned, results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(heading + body), encoding="utf-8")
+    relinked = "\n".join(body).replace(f"]({PLOT})", f"]({(results / PLOT).relative_to(path.parent).as_posix()})")
+    path.write_text("\n".join(heading) + "\n" + relinked, encoding="utf-8")
     if results_md is not None and results_md.is_file():
-        spliced = long_sections(grid, configs, rows, planned, results, results_md.parent)
+        link = (results / PLOT).relative_to(results_md.parent).as_posix()
+        spliced = "\n".join(body).replace(f"]({PLOT})", f"]({link})")
         section = "\n".join(
             [
                 "# Long contexts (grid `long`)",
                 "",
                 f"The long grid's document is [results/{path.name}](results/{path.name}); its sections:",
                 "",
-                *spliced,
+                spliced,
             ]
         )
         results_md.write_text(splice(results_md.read_text(encoding="utf-8"), demote(section)), encoding="utf-8")

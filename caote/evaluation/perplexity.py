@@ -76,9 +76,11 @@ def describe(config, rows: list[dict], kind: str = "excerpts of distinct Paul Gr
     full_ppl = [row["ppl_full"] for row in rows if row["policy"] == FULL]
     if rows and not all(row.get("unit") for row in rows):  # rows written before texts were distinct essays
         kind = "Paul Graham essay excerpts (seeded shuffles of the split, which can repeat essays)"
-    measured = "Perplexity / KL / fidelity" if config.fidelity else "Perplexity / KL"
+    measured = "Perplexity / KL"
     if config.scored_tail:
-        measured += f" of the last {config.scored_tail} tokens' predictions"
+        measured += f" (of the last {config.scored_tail} tokens' predictions)"
+    if config.fidelity:
+        measured += " / fidelity"
     return (
         f"{measured}: {config.samples or DEFAULT_TEXTS} {kind} "
         f"({config.split} split) of up to {joined(config.lengths)} tokens, each policy against one full-cache pass "

@@ -123,7 +123,7 @@ def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -
         if policy == FULL:
             full = [r for r in records if r["policy"] == FULL]
             if full:
-                axis.axhline(full[0]["mean"], color="black", linestyle="--", linewidth=1, label="full cache")
+                axis.axhline(full[0]["mean"], color="gray", linestyle=":", linewidth=1, label="full cache")
             continue
         if not chosen:
             continue

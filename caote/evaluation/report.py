@@ -102,9 +102,9 @@ def run_report(config: EvalConfig) -> int:
     if grid.own_document:
         results_md = Path(config.docs) / "results.md" if config.docs is not None else None
         write_long_md(document, grid, configs, rows, planned, results, results_md)
-        for key, config in configs.items():
-            print(f"{key} ({config.model}, {config.benchmark}):")
-            print(glance_table({"perplexity" if TASKS[config.benchmark].texts else "niah": rows[key]}))
+        for key, part in configs.items():
+            print(f"{key} ({part.model}, {part.benchmark}):")
+            print(glance_table({"perplexity" if TASKS[part.benchmark].texts else "niah": rows[key]}))
         print(f"tables and plot: {document}")
         return 0
     prefix = f"{grid.name}_" if config.docs is not None else ""

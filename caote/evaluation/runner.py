@@ -232,7 +232,8 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
     predictor = None if config.predictor is None else str(config.predictor)
     bases = [parse_policy(policy).base for policy in policies]
     if any(base is not None and base.schedule == "learned" for base in bases):
-        check_disjoint(Predictor.for_model(model, predictor), [text.id for text in texts])  # never seen in calibration
+        calibrated = Predictor.for_model(model, predictor)
+        check_disjoint(calibrated, [text.id for text in texts], config.split)  # never seen in calibration
     runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
     with RowStore(config.out, rank) as store:
         own_bar = bar is None
