@@ -113,7 +113,9 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
             "default": None,
             "help": f"try (full cache vs 7 policies at b=128/256, NIAH + KL: {TRY_GRID_TIME} on 2 cores), quick "
             "(31 settings, 2 texts: ~25 min), standard (docs/results.md: 20 texts, 10 NIAH examples per cell and "
-            "protocol, with the oracle: hours, resumable) or full (default: full)",
+            "protocol, with the oracle: hours, resumable), long (4k-8k tokens, SmolLM2 and Gemma-3 270M, each part "
+            "on its own model whatever --model says; docs/results/long.md: hours per part, resumable) or full "
+            "(default: full)",
         },
         "report",
     ),
