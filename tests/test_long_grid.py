@@ -174,3 +174,16 @@ def test_the_long_document_is_written_alone_and_spliced_into_results_md_which_th
     write_results_md(results_md, STANDARD_GRID, standard, {}, {}, {}, {}, {}, runs=tmp_path / "results" / "runs")
     rewritten = results_md.read_text(encoding="utf-8")
     assert "OLD STANDARD TEXT" not in rewritten and rewritten.endswith(block)  # the standard grid keeps the section
+
+
+def test_the_report_loads_each_parts_model_once_and_runs_the_parts_in_order(tmp_path, monkeypatch):
+    from caote.evaluation import report
+
+    config = report_config("--grid", "long", "--out", str(tmp_path))
+    configs = part_configs(LONG_GRID, config, tmp_path / "runs")
+    loads, runs = [], []
+    monkeypatch.setattr(report, "_load", lambda part, state: (loads.append(part.model) or f"model:{part.model}", "tok"))
+    monkeypatch.setattr(report, "run_rows", lambda part, model, tokenizer, rank, world, bar: runs.append(model))
+    report.run_parts(configs, None, 0, 1, False, "rows")
+    assert loads == ["smollm2-135m", "gemma3-270m"]
+    assert runs == ["model:smollm2-135m"] * 3 + ["model:gemma3-270m"] * 2
