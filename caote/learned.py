@@ -365,7 +365,7 @@ class LayerPredictor:
         known = inputs.history[:, ::group, KEY_TERM_POSITION] == inputs.positions + 1
         if not bool((known | (inputs.positions < 0)).all()):
             raise RuntimeError("the learned policy's key terms are missing: call remember_keys before predict")
-        rest = tuple(group for group in self.groups if group != "key")
+        rest = tuple(name for name in self.groups if name != "key")
         if not rest:  # a predictor of the key alone
             return remembered
         features = token_features(inputs, rest, self.unrotate, self.sink_tokens)
