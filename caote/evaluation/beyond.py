@@ -18,7 +18,7 @@ from caote.policies import parse_policy
 GAP_TARGET = 0.25  # the share of the oracle gap a policy must close at every budget (our moonshot: half)
 
 
-def _best(cells: dict, budget: int, sign: float, among: list[str] = PAPER_POLICIES) -> str | None:
+def best_policy(cells: dict, budget: int, sign: float, among: list[str] = PAPER_POLICIES) -> str | None:
     """The policy of ``among`` (default: StreamingLLM and every paper variant) with the best mean at ``budget``
     (``sign`` +1: higher is better)."""
     present = [name for name in among if cells.get((name, budget))]
@@ -43,7 +43,7 @@ def beyond_records(rows: dict[str, list[dict]], policies: list[str], budgets: li
         for budget in budgets:
             record = {"policy": policy, "budget": budget, "niah": {}}
             values = kl.get((policy, budget))
-            best = _best(kl, budget, -1.0)
+            best = best_policy(kl, budget, -1.0)
             if values and best:
                 record["kl"] = estimate(list(values.values()), binary=False)
                 record["best_paper"] = best
@@ -58,12 +58,12 @@ def beyond_records(rows: dict[str, list[dict]], policies: list[str], budgets: li
                 at = {name: cell for (name, b), cell in kl.items() if b == budget and cell}
                 record["gap_closed"] = gap_closed(at, policy, best, -1.0)
                 base = parse_policy(policy).base.about.paper_base
-                own = _best(kl, budget, -1.0, [name for name in PAPER_POLICIES if name.split("+")[0] == base])
+                own = best_policy(kl, budget, -1.0, [name for name in PAPER_POLICIES if name.split("+")[0] == base])
                 if own:
                     record["base_variant"] = own
                     record["vs_base"] = _difference(kl, policy, own, budget)
             for protocol, cells in niah.items():
-                best_niah = _best(cells, budget, 1.0)
+                best_niah = best_policy(cells, budget, 1.0)
                 if cells.get((policy, budget)) and best_niah:
                     record["niah"][protocol] = (
                         estimate(list(cells[(policy, budget)].values())),

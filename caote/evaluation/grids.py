@@ -118,61 +118,48 @@ LONG_POLICIES = ("streamingllm", "h2o", "h2o+caote", "tova", "tova+caote", "caot
 LONG_TAIL = 1024
 LONG_NIAH_POLICIES = ("full", "h2o", "h2o+caote", "tova+caote")
 LONG_NIAH_DEPTHS = (20, 40, 60, 80, 90)  # x 2 samples: 10 examples per cell, in-prompt
+
+
+def _long_text_part(
+    task: str, length: int, model: str, label: str, policies: tuple[str, ...] | None = None
+) -> GridPart:
+    """A texts part of the long grid: 10 texts, the last `LONG_TAIL` tokens scored, no fidelity."""
+    return GridPart(
+        task, (length,), 10, model=model, policies=policies, scored_tail=LONG_TAIL, fidelity=False, label=label
+    )
+
+
+def _long_niah_part(length: int, model: str, label: str) -> GridPart:
+    """A NIAH part of the long grid: in-prompt, 10 examples, `LONG_NIAH_POLICIES` at budget 256."""
+    return GridPart(
+        "niah",
+        (length,),
+        2,
+        depths=LONG_NIAH_DEPTHS,
+        protocols=("in-prompt",),
+        model=model,
+        policies=LONG_NIAH_POLICIES,
+        budgets=(256,),
+        label=label,
+    )
+
+
 LONG_GRID = Grid(
     "long",
     budgets=(256, 1024),
     max_new_tokens=16,
     parts=(
-        GridPart(
+        _long_text_part("perplexity-joined", 4096, "smollm2-135m", "smollm2-essays-4k"),
+        _long_text_part("perplexity-code", 4096, "smollm2-135m", "smollm2-code-4k"),
+        _long_niah_part(4096, "smollm2-135m", "smollm2-niah-4k"),
+        _long_text_part(  # no predictor is committed for Gemma-3
             "perplexity-joined",
-            lengths=(4096,),
-            samples=10,
-            model="smollm2-135m",
-            scored_tail=LONG_TAIL,
-            fidelity=False,
-            label="smollm2-essays-4k",
+            8192,
+            "gemma3-270m",
+            "gemma3-essays-8k",
+            tuple(p for p in LONG_POLICIES if p != "learned+caote"),
         ),
-        GridPart(
-            "perplexity-code",
-            lengths=(4096,),
-            samples=10,
-            model="smollm2-135m",
-            scored_tail=LONG_TAIL,
-            fidelity=False,
-            label="smollm2-code-4k",
-        ),
-        GridPart(
-            "niah",
-            lengths=(4096,),
-            samples=2,
-            depths=LONG_NIAH_DEPTHS,
-            protocols=("in-prompt",),
-            model="smollm2-135m",
-            policies=LONG_NIAH_POLICIES,
-            budgets=(256,),
-            label="smollm2-niah-4k",
-        ),
-        GridPart(
-            "perplexity-joined",
-            lengths=(8192,),
-            samples=10,
-            model="gemma3-270m",
-            policies=tuple(name for name in LONG_POLICIES if name != "learned+caote"),
-            scored_tail=LONG_TAIL,
-            fidelity=False,
-            label="gemma3-essays-8k",
-        ),
-        GridPart(
-            "niah",
-            lengths=(8192,),
-            samples=2,
-            depths=LONG_NIAH_DEPTHS,
-            protocols=("in-prompt",),
-            model="gemma3-270m",
-            policies=LONG_NIAH_POLICIES,
-            budgets=(256,),
-            label="gemma3-niah-8k",
-        ),
+        _long_niah_part(8192, "gemma3-270m", "gemma3-niah-8k"),
     ),
     policies=LONG_POLICIES,
     notes=(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from caote.evaluation.beyond import beyond_records, beyond_table
-from caote.evaluation.claims import PAPER_POLICIES, claims, claims_table
+from caote.evaluation.beyond import best_policy, beyond_records, beyond_table
+from caote.evaluation.claims import claims, claims_table
 from caote.evaluation.document import demote, headline_table, splice
 from caote.evaluation.grids import Grid
 from caote.evaluation.plots import plot_panels_vs_budget
@@ -41,19 +41,18 @@ def oracle_gap_table(rows: list[dict], budgets: list[int]) -> str:
     """Per budget: the best paper policy (lowest mean KL), its KL, the oracle's and how many times lower it is."""
     kl = values_by_cell(rows, "kl")
     lines = ["| budget | best paper policy | its KL | oracle KL | best paper / oracle |", "|---|---|---|---|---|"]
+
+    def mean(name: str, budget: int) -> float:
+        return sum(kl[(name, budget)].values()) / len(kl[(name, budget)])
+
     for budget in budgets:
-        means = {
-            name: sum(cell.values()) / len(cell)
-            for (name, b), cell in kl.items()
-            if b == budget and cell and (name in PAPER_POLICIES or name == "oracle")
-        }
-        paper = {name: mean for name, mean in means.items() if name != "oracle"}
-        if not paper or "oracle" not in means:
+        best = best_policy(kl, budget, -1.0)
+        if best is None or not kl.get(("oracle", budget)):
             lines.append(f"| {budget} | – | – | – | – |")
             continue
-        best = min(paper, key=paper.get)
-        ratio = f"{paper[best] / means['oracle']:.1f}x" if means["oracle"] > 0 else "–"
-        lines.append(f"| {budget} | {best} | {paper[best]:.4f} | {means['oracle']:.4f} | {ratio} |")
+        paper, oracle = mean(best, budget), mean("oracle", budget)
+        ratio = f"{paper / oracle:.1f}x" if oracle > 0 else "–"
+        lines.append(f"| {budget} | {best} | {paper:.4f} | {oracle:.4f} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -46,26 +46,18 @@ def domain_texts(
     return result
 
 
-def texts(tokenizer, lengths: list[int], samples: int, split: str = "test", seed: int = 0) -> list[Text]:
-    """``samples`` essay excerpts of each length (`domain_texts`)."""
-    return domain_texts(tokenizer, "essays", lengths, samples, split, seed)
+def domain_config_texts(domain: str):
+    """``texts(config, tokenizer)`` of a task over ``domain``: `domain_texts` of the config's lengths, split and seed
+    (`DEFAULT_TEXTS` per length unless ``config.samples``)."""
+
+    def config_domain_texts(config, tokenizer) -> list[Text]:
+        samples = config.samples or DEFAULT_TEXTS
+        return domain_texts(tokenizer, domain, config.lengths, samples, config.split, config.seed)
+
+    return config_domain_texts
 
 
-def config_texts(config, tokenizer) -> list[Text]:
-    """`texts` of the config's lengths, split and seed (`DEFAULT_TEXTS` per length unless ``config.samples``)."""
-    return texts(tokenizer, config.lengths, config.samples or DEFAULT_TEXTS, config.split, config.seed)
-
-
-def code_config_texts(config, tokenizer) -> list[Text]:
-    """Excerpts of the pinned standard-library files of the config's split (`domain_texts`, domain ``code``)."""
-    return domain_texts(tokenizer, "code", config.lengths, config.samples or DEFAULT_TEXTS, config.split, config.seed)
-
-
-def joined_config_texts(config, tokenizer) -> list[Text]:
-    """Windows of the config's split's essays joined into one stream (`domain_texts`, domain ``essays-joined``)."""
-    return domain_texts(
-        tokenizer, "essays-joined", config.lengths, config.samples or DEFAULT_TEXTS, config.split, config.seed
-    )
+config_texts = domain_config_texts("essays")  # the essay tasks' texts
 
 
 def count(config) -> int:
@@ -130,24 +122,29 @@ FIDELITY_TASK = Task(
     figures=("fidelity_layers",),
 )
 
-CODE_TASK = Task(
-    name="perplexity-code",
-    title="Perplexity and KL on Python source code",
-    metrics=TASK.metrics,
-    texts=code_config_texts,
-    count=count,
-    describe=lambda config, rows: describe(config, rows, "excerpts of distinct Python 3.11.7 standard-library files"),
-    figures=("fidelity_layers",),
-)
 
-JOINED_TASK = Task(
-    name="perplexity-joined",
-    title="Perplexity and KL on joined essays",
-    metrics=TASK.metrics,
-    texts=joined_config_texts,
-    count=count,
-    describe=lambda config, rows: describe(
-        config, rows, "windows of the split's Paul Graham essays joined into one stream (a window spans essays)"
-    ),
-    figures=("fidelity_layers",),
+def domain_task(name: str, title: str, domain: str, kind: str) -> Task:
+    """A perplexity / KL task (the metrics of `TASK`) over the texts of ``domain``, described as ``kind``."""
+    return Task(
+        name=name,
+        title=title,
+        metrics=TASK.metrics,
+        texts=domain_config_texts(domain),
+        count=count,
+        describe=lambda config, rows: describe(config, rows, kind),
+        figures=("fidelity_layers",),
+    )
+
+
+CODE_TASK = domain_task(
+    "perplexity-code",
+    "Perplexity and KL on Python source code",
+    "code",
+    "excerpts of distinct Python 3.11.7 standard-library files",
+)
+JOINED_TASK = domain_task(
+    "perplexity-joined",
+    "Perplexity and KL on joined essays",
+    "essays-joined",
+    "windows of the split's Paul Graham essays joined into one stream (a window spans essays)",
 )
