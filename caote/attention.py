@@ -10,7 +10,9 @@ kernel (sdpa, or the family's eager function): a forward given no `EvictionCache
 gets without caote, bit for bit. In a forward given an `EvictionCache` the cache then receives the call's queries,
 keys, values and mask and evicts. The probabilities the scores need are the family's own eager attention applied
 to just the needed query rows, in float32, so soft-capping, scaling and query norms are the family's own: there is
-no per-family code.
+no per-family code. One exception saves that second pass: a decode step of a layer decoding in place that reads
+its newest row now (`AttentionObserver.attends`) has its attention computed once by `decode_attention`, which
+returns the output and the probabilities together.
 
 The channel from a forward to its cache is `ActiveForward`, held in a context variable for that forward only, so
 each thread (each context) sees only its own forward's cache: several threads, each with its own cache, and plain
@@ -27,7 +29,7 @@ import weakref
 from collections import Counter
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -48,14 +50,18 @@ DISPATCHED_BACKENDS = {dispatcher: backend for backend, dispatcher in DISPATCHER
 
 class AttentionObserver(Protocol):
     """What a forward's attention calls report to (an `EvictionCache`): the calls from this module upward
-    (``attention_mask`` before the kernel, for a layer decoding in place; ``after_attention`` after it).
+    (``attention_mask`` before the kernel, for a layer decoding in place; ``attends``: whether caote computes this
+    call's attention itself, `decode_attention`; ``after_attention`` after it, with the probabilities ``rows`` when
+    caote computed them).
 
     ``after_forward`` may run forwards of its own through the same model (`caote.strategies.LookAhead` drafts),
     whose attention calls report here again: the one run-time loop of the library (docs/architecture.md)."""
 
     def attention_mask(self, module: nn.Module, queries, attention_mask, additive: bool): ...
 
-    def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict) -> None: ...
+    def attends(self, module: nn.Module, queries) -> SlotViews | None: ...
+
+    def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None): ...
 
     def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None: ...
 
@@ -92,6 +98,11 @@ def caote_attention(backend: str, module: nn.Module, query, key, value, attentio
     if active is None:
         return kernel(module, query, key, value, attention_mask, **kwargs)
     attention_mask = active.cache.attention_mask(module, query, attention_mask, backend == "eager")
+    views = active.cache.attends(module, query)
+    if views is not None:  # one pass for the output and the row the policy reads
+        output, rows = decode_attention(module, query, views, kwargs)
+        active.cache.after_attention(module, query, key, value, attention_mask, kwargs, rows)
+        return output, None
     output = kernel(module, query, key, value, attention_mask, **kwargs)
     active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
     return output
@@ -176,6 +187,53 @@ def attention_probabilities(
         module, queries.float(), keys.float(), values[..., :0].float(), additive, **call
     )
     return probabilities
+
+
+class SlotViews(NamedTuple):
+    """The fixed slot buffers of a layer decoding in place, ``keys`` / ``values`` ``(B, H_kv, S, d)``, and the views
+    `decode_attention` multiplies by, made once per buffer: ``keys_t`` ``(B * H_kv, d, S)``, ``flat_values``
+    ``(B * H_kv, S, d_v)``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    keys_t: torch.Tensor
+    flat_values: torch.Tensor
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor) -> SlotViews:
+        slots = keys.shape[-2]
+        return cls(
+            keys, values, keys.view(-1, slots, keys.shape[-1]).transpose(1, 2), values.view(-1, slots, values.shape[-1])
+        )
+
+    def views(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether these are the views of ``keys`` and ``values`` (the same tensors, not equal ones)."""
+        return self.keys is keys and self.values is values
+
+
+def decode_attention(module: nn.Module, query: torch.Tensor, slots: SlotViews, kwargs: dict):
+    """A lone decoding query's attention over every slot (no mask), once for both the layer and its policy: returns
+    the output ``(B, 1, H_q, d_v)`` in the query's dtype, as the model's kernel returns it, and the probabilities
+    ``(B, H_q, 1, N)`` in float32, as `attention_probabilities` computes them.
+
+    ``softmax(q k^T * scaling)`` over float32 logits and the output from the float32 probabilities: in a float32
+    model the model's own computation up to the order of additions, in a lower precision a more precise one. A KV
+    head's query group is one matrix product (no copy of the keys or values per query head). A family whose
+    attention is more than a scaled dot product (soft-capping, attention sinks) runs its own eager function on
+    float32 inputs instead."""
+    scaling = kwargs.get("scaling")
+    if scaling is None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        call = {**kwargs, "dropout": 0.0}
+        output, probabilities = family_eager_attention(module)(
+            module, query.float(), slots.keys.float(), slots.values.float(), None, **call
+        )
+        return output.to(query.dtype), probabilities
+    batch, heads, _, dim = query.shape
+    groups, tokens = slots.keys_t.shape[0], slots.keys_t.shape[-1]
+    logits = torch.bmm(query.reshape(groups, -1, dim).float(), slots.keys_t.float())
+    probabilities = (logits * scaling).softmax(-1)
+    output = torch.bmm(probabilities, slots.flat_values.float())
+    return output.view(batch, 1, heads, -1).to(query.dtype), probabilities.view(batch, heads, 1, tokens)
 
 
 class ForwardSwitch:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from caote.attention import ForwardSwitch, active_forward, attention_modules, sliding_windows
+from caote.attention import ForwardSwitch, SlotViews, active_forward, attention_modules, sliding_windows
 from caote.future import FutureAttention
 from caote.layer import EvictionLayer, layer_bytes
 from caote.settings import CacheSettings
@@ -332,10 +332,27 @@ class EvictionCache(Cache):
             return layer.slot_mask(attention_mask, queries, additive)
         return attention_mask
 
-    def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict) -> None:
+    def attends(self, module: nn.Module, queries) -> SlotViews | None:
+        """The layer's slot views when caote computes ``module``'s attention in this call
+        (`caote.attention.decode_attention`): a lone query of a layer decoding in place that reads its attention row
+        now (`EvictionLayer.reads_row_now`), so the row comes from the call itself instead of a second pass."""
+        layer = self.layers[module.layer_idx]
+        if (
+            queries.shape[-2] == 1
+            and isinstance(layer, EvictionLayer)
+            and self.strategy is not None
+            and not self.frozen
+            and not module.training
+            and layer.reads_row_now()
+        ):
+            return layer.slot_views()
+        return None
+
+    def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None):
         """Called by caote's attention function right after ``module``'s layer attended, with the call's final
-        queries ``(B, H_q, q, d)``, keys and values ``(B, H_kv, N, d)``, mask and arguments: records the layer's
-        positions and hands it to the policy's strategy, which records its rows and evicts."""
+        queries ``(B, H_q, q, d)``, keys and values ``(B, H_kv, N, d)``, mask and arguments (and the probabilities
+        ``rows`` when caote computed the attention, `attends`): records the layer's positions and hands it to the
+        policy's strategy, which records its rows and evicts."""
         index = module.layer_idx
         layer = self.layers[index]
         self._bytes.account(index, layer)
@@ -355,7 +372,7 @@ class EvictionCache(Cache):
         layer.add_positions(self._shared.positions(layer, kwargs, real), real is not None)
         if self.strategy is None or self.frozen:
             return
-        self.strategy.after_attention(self, index, layer, module, queries, attention_mask, kwargs, real)
+        self.strategy.after_attention(self, index, layer, module, queries, attention_mask, kwargs, real, rows)
         self._bytes.account(index, layer)
 
     def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None:

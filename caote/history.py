@@ -2,6 +2,8 @@
 
 A `BaseScore` names its history (`caote.policies`); each evicting layer keeps the tensor the history folds rows
 into, ``(B, H_q, N)`` or ``(B, H_q, R, N)`` with the token axis last, and gathers it with the tokens it keeps.
+``fold(history, rows, in_place)``: ``in_place`` says the layer decodes in place, so its history is its own (a
+snapshot copies it) and may be written.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ class AttentionSum:
         """A running sum needs every row of every step."""
         return new
 
-    def fold(self, history: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        if in_place and history is not None and history.shape[-1] == rows.shape[-1]:  # the same slots: add to them
+            return history.add_(rows.sum(-2))
         return accumulate_attention(history, rows)
 
     def carries_over(self, block_rows: int) -> bool:
@@ -41,7 +45,7 @@ class RecentRows:
         that old fall out of the window before the next eviction (which comes once the layer exceeds ``budget``)."""
         return min(self.window, new) if retained > budget - self.window else 0
 
-    def fold(self, history: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         return keep_recent_rows(history, rows, self.window)
 
     def carries_over(self, block_rows: int) -> bool:
@@ -68,7 +72,7 @@ class SumAndRecent:
         """Every row of every step (the running sum's)."""
         return new
 
-    def fold(self, history: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         tokens = rows.shape[-1]
         if history is not None and history.shape[-1] < tokens:
             history = F.pad(history, (0, tokens - history.shape[-1]))  # new tokens: no key term yet

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-from caote.attention import attention_probabilities
+from caote.attention import SlotViews, attention_probabilities
 from caote.policies import ScoreInputs
 from caote.settings import CacheSettings
 
@@ -48,6 +48,15 @@ def history_index(slots: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     return index.unsqueeze(2).expand(-1, -1, history.shape[2], -1) if history.dim() == 4 else index
 
 
+def clear_history(history: torch.Tensor, slots: torch.Tensor) -> None:
+    """Zero, in place, what every query head's ``history`` ``(B, H_q, [R,] N)`` holds of the ``slots``
+    ``(B, H_kv, k)`` (a KV head's query heads side by side, so the slots broadcast over the group as a view)."""
+    batch, kv_heads, count = slots.shape
+    grouped = history.view(batch, kv_heads, -1, *history.shape[2:])
+    index = slots.view(batch, kv_heads, *(1,) * (history.dim() - 2), count).expand(*grouped.shape[:-1], count)
+    grouped.scatter_(-1, index, 0.0)
+
+
 class EvictionLayer(DynamicLayer):
     """One layer's retained keys/values plus what its scores need: absolute positions and attention history.
 
@@ -66,6 +75,10 @@ class EvictionLayer(DynamicLayer):
         self.decodes_in_place = False
         self.free: torch.Tensor | None = None  # in place: (B, H_kv, F) the empty slots, filled in this order
         self._written: torch.Tensor | None = None  # in place: (B, H_kv, 1) the slot of this step's token
+        self._newest: torch.Tensor | None = None  # in place: (B, H_kv, 1) the position of this step's token
+        self._sinks: torch.Tensor | None = None  # in place: (B, H_kv, S) bool, the slots of the sink tokens
+        self._no_free: torch.Tensor | None = None  # in place: (B, H_kv, 0), ``free`` when every slot is taken
+        self._views: SlotViews | None = None  # in place: the slot buffers' views, made once (`slot_views`)
 
     @property
     def in_place(self) -> bool:
@@ -109,15 +122,39 @@ class EvictionLayer(DynamicLayer):
         if self.history is not None:
             self.history = torch.nn.functional.pad(self.history, (0, 1))
         self.free = torch.full((batch, kv_heads, 1), tokens, dtype=torch.long, device=keys.device)
+        self._no_free = self.free[..., :0]
+        # sinks are never evicted, so their slots stay theirs while the layer decodes in place
+        self._sinks = (positions >= 0) & (positions < self.settings.sink_tokens)
 
     def _write(self, key_states, value_states):
         """Write the step's token into the next free slot of every KV head, in place."""
-        slot, self.free = self.free[..., :1], self.free[..., 1:]
-        self.keys.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1]), key_states)
-        self.values.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1]), value_states)
-        self.positions.scatter_(2, slot, self.cumulative_length - 1)  # the true position follows in add_positions
+        if self.free.shape[-1] == 1:  # the one free slot (interval 1): no slicing
+            slot, self.free = self.free, self._no_free
+        else:
+            slot, self.free = self.free[..., :1], self.free[..., 1:]
+        index = slot.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys.scatter_(2, index, key_states)
+        if self.values.shape[-1] != self.keys.shape[-1]:
+            index = slot.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1])
+        self.values.scatter_(2, index, value_states)
+        if self.padded or self.free.shape[-1]:  # `slot_mask` reads the positions: mark the slot taken; the true
+            self.positions.scatter_(2, slot, self.cumulative_length - 1)  # position follows in `add_positions`
         self._written = slot
         return self.keys, self.values
+
+    def slot_views(self) -> SlotViews:
+        """The views of the slot buffers `caote.attention.decode_attention` reads, made once per buffer."""
+        if self._views is None or not self._views.views(self.keys, self.values):
+            self._views = SlotViews.of(self.keys, self.values)
+        return self._views
+
+    def reads_row_now(self) -> bool:
+        """A decode step in place at which the policy reads this step's attention row: every slot holds a real token
+        (the lone query needs no mask), the layer overflows (it evicts now) and its history takes the row."""
+        if not self.in_place or self.padded or self.free.shape[-1] or self.retained <= self.settings.budget:
+            return False
+        history = self.settings.policy.base.history
+        return history is not None and history.rows(1, self.retained, self.settings.budget) > 0
 
     def slot_mask(self, attention_mask, queries: torch.Tensor, additive: bool):
         """The mask of a lone decoding query over the slots: the model's own while every slot holds a real token;
@@ -135,15 +172,16 @@ class EvictionLayer(DynamicLayer):
     def _free_slots(self, evicted: torch.Tensor) -> None:
         """Mark the slots ``evicted`` ``(B, H_kv, k)`` free, forgetting what the history remembered of them."""
         self.positions.scatter_(2, evicted, FREE)
-        if self.history is not None:
-            self.history.scatter_(-1, history_index(evicted, self.history), 0.0)
+        # a history whose rows are all replaced by the next step's (TOVA's one row) need not forget them
+        if self.history is not None and self.settings.policy.base.history.carries_over(1):
+            clear_history(self.history, evicted)
         self.free = evicted
 
     def leave_slots(self) -> None:
         """Back to arrival order: the occupied slots gathered by position (free ones sort first, then padding)."""
         if self.in_place:
             free = self.free.shape[-1]
-            self.free = self._written = None
+            self.free = self._written = self._newest = self._sinks = self._no_free = self._views = None
             self.keep(self.positions.argsort(dim=-1, stable=True)[..., free:])
 
     def kept_positions(self) -> torch.Tensor:
@@ -184,23 +222,27 @@ class EvictionLayer(DynamicLayer):
         self.padded = self.padded or padded
         if self.in_place:
             self.positions.scatter_(2, self._written, positions)
+            self._newest = positions
         else:
             self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=-1)
 
-    def record(self, module: nn.Module, queries, mask, kwargs: dict, real: torch.Tensor | None) -> None:
+    def record(self, module: nn.Module, queries, mask, kwargs: dict, real: torch.Tensor | None, call_rows=None):
         """Fold the attention rows the policy's history reads into it, computing only rows it will still hold at the
         next eviction (a layer with room to spare does no scoring work). Probabilities are the family's eager
         attention over the call's final queries, in float32 under every backend, so the backend does not change
-        the kept set."""
+        the kept set; ``call_rows`` are the call's own (`caote.attention.decode_attention`, `reads_row_now`)."""
         history = self.settings.policy.base.history
         rows = 0 if history is None else history.rows(self.new_tokens, self.retained, self.settings.budget)
         if rows == 0:  # no history, or rows too old to reach the next eviction
             self.history = None
             return
-        probabilities = attention_probabilities(module, queries[:, :, -rows:], self.keys, self.values, mask, kwargs)
+        if call_rows is not None:
+            probabilities = call_rows
+        else:
+            probabilities = attention_probabilities(module, queries[:, :, -rows:], self.keys, self.values, mask, kwargs)
         if real is not None:  # padding queries add nothing
             probabilities = probabilities * real[:, -rows:][:, None, :, None]
-        self.history = history.fold(self.history, probabilities)
+        self.history = history.fold(self.history, probabilities, in_place=self.in_place)
 
     # -- the eviction ----------------------------------------------------------------------------------------------
 
@@ -248,8 +290,8 @@ class EvictionLayer(DynamicLayer):
     def _lowest(self, scores: torch.Tensor, count: int) -> torch.Tensor:
         """The ``count`` slots ``(B, H_kv, count)`` of lowest score, ties going to the older token."""
         if count == 1:  # the lowest score; among equal ones the lowest position
-            ties = scores == scores.amin(dim=-1, keepdim=True)
-            return self.positions.masked_fill(~ties, torch.iinfo(torch.long).max).argmin(dim=-1, keepdim=True)
+            above = scores != scores.amin(dim=-1, keepdim=True)
+            return self.positions.masked_fill(above, torch.iinfo(torch.long).max).argmin(dim=-1, keepdim=True)
         order = self.positions.argsort(dim=-1)
         ranked = scores.gather(-1, order).argsort(dim=-1, stable=True)[..., :count]
         return order.gather(-1, ranked)
@@ -258,6 +300,11 @@ class EvictionLayer(DynamicLayer):
         """Sinks and the recent window always stay; padding always goes first (which keeps the slots that the 2D
         padding mask marks as padding exactly the retained padding slots)."""
         positions = self.positions
+        if self.in_place and not padded:  # the sinks' slots are known; the newest token is this step's
+            scores = scores.masked_fill(self._sinks, float("inf"))
+            if self.settings.recent == 1:
+                return scores.scatter_(-1, self._written, float("inf"))
+            return scores.masked_fill_(positions > self._newest - self.settings.recent, float("inf"))
         newest = positions.amax(dim=-1, keepdim=True)
         protected = (positions < self.settings.sink_tokens) | (positions > newest - self.settings.recent)
         if not padded:
@@ -288,7 +335,8 @@ class EvictionLayer(DynamicLayer):
         super().reset()
         self.new_tokens = 0
         self.padded = False
-        self.positions = self.history = self.free = self._written = None
+        self.positions = self.history = self.free = self._written = self._newest = self._sinks = None
+        self._no_free = self._views = None
 
     def _refuse(self, *args, **kwargs):
         raise ValueError(

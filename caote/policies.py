@@ -295,7 +295,9 @@ class Policy:
         transform = TRANSFORMS[self.transform]
         how = "mean" if transform is None else gqa
         if transform is not None:
-            weights = scoring.normalise_weights(grouped, signed=self.base.signed, padded=real is not None)
+            weights = scoring.normalise_weights(
+                grouped, signed=self.base.signed, padded=real is not None, positive=self.base.per_query_head
+            )
             grouped = transform(weights, inputs.values.unsqueeze(2), real)
         scores = scoring.aggregate_groups(grouped, how)
         if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group

@@ -26,17 +26,21 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
-def normalise_weights(weights: torch.Tensor, signed: bool = False, padded: bool = True) -> torch.Tensor:
+def normalise_weights(
+    weights: torch.Tensor, signed: bool = False, padded: bool = True, positive: bool = False
+) -> torch.Tensor:
     """Turn a base score into a distribution over tokens (sums to 1 over the last axis; float32, or float64 input).
 
     Non-negative scores are divided by their sum (the paper's ``f_norm`` for H2O and SnapKV). Signed scores
     (KeyDiff, K-norm) are first shifted so that their minimum is zero, which keeps the ranking.
     Masked-out tokens (padding) carry ``-inf``: they get weight 0 and take no part in the minimum. ``padded=False``
-    promises finite non-negative scores (no padding, not signed): the division alone, the same numbers.
+    promises finite non-negative scores (no padding, not signed): the division alone, the same numbers;
+    ``positive=True`` further promises every row a positive sum (attention rows), so the sum needs no floor.
     """
     weights = weights.to(compute_dtype(weights))
     if not padded and not signed:
-        return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+        total = weights.sum(-1, keepdim=True)
+        return weights / (total if positive else total.clamp_min(torch.finfo(weights.dtype).tiny))
     finite = torch.isfinite(weights)
     weights = torch.where(finite, weights, torch.zeros_like(weights))
     if signed:
@@ -52,9 +56,19 @@ def eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Te
     ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them; ``output`` ``(..., d)``.
     The formula is well conditioned as written for ``w_j <= 1/2``; the (at most one) heavier token gets
     `heaviest_token_error`'s stable form."""
-    values = values[(None,) * (weights.dim() + 1 - values.dim())]  # leading axes the broadcast would add
+    if values.dim() < weights.dim() + 1:  # leading axes the broadcast would add
+        values = values[(None,) * (weights.dim() + 1 - values.dim())]
     distance = torch.linalg.vector_norm(output.unsqueeze(-2) - values, dim=-1)
+    if not may_hold_heavy_token(weights):  # every 1 - w_j >= 1/2: the formula as written, no clamp needed
+        return weights / (1.0 - weights) * distance
     return heaviest_token_error(weights / (1.0 - weights).clamp_min(0.5) * distance, weights, values)
+
+
+def may_hold_heavy_token(weights: torch.Tensor) -> bool:
+    """Whether a row of ``weights`` may give one token more than half its weight (`heaviest_token_error`). On the
+    CPU, where reading a number back costs nothing, the answer is exact, so the ~30 operators of the stable form are
+    skipped on most decode steps; on an accelerator it is always yes, so that nothing waits for the device."""
+    return weights.device.type != "cpu" or weights.numel() == 0 or weights.max().item() > 0.5
 
 
 def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -64,15 +78,12 @@ def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: tor
     other tokens directly: with ``X_-j = sum_{i != j} w_i v_i`` and ``rest = sum_{i != j} w_i``,
     ``c_j = w_j * ||X_-j / rest - v_j||``. When every other weight is exactly zero, evicting j leaves nothing to
     renormalise: its error is ``+inf`` (it always ranks first). ``weights`` ``(..., N)`` sum to 1, ``values``
-    ``(..., N, d)`` with as many axes as ``weights`` plus one (size-1 axes broadcast). On the CPU, where reading a
-    flag back costs nothing, the ~30 operators of the stable form are skipped when no row has such a token (most
-    decode steps); on an accelerator they always run, so that nothing waits for the device."""
+    ``(..., N, d)`` with as many axes as ``weights`` plus one (size-1 axes broadcast). Callers skip it when
+    `may_hold_heavy_token` says no row has such a token."""
     top_weight, heaviest = weights.max(-1, keepdim=True)
-    if weights.device.type == "cpu" and not bool((top_weight > 0.5).any()):
-        return error
     others = weights.scatter(-1, heaviest, 0.0)
     rest = others.sum(-1, keepdim=True)
-    without = torch.einsum("...n,...nd->...d", others, values)  # broadcast, not expanded: no copy of the values
+    without = weighted_values(others, values)  # broadcast, not expanded: no copy of the values
     top_value = torch.take_along_dim(values, heaviest.unsqueeze(-1), dim=-2).squeeze(-2)
     moved = torch.linalg.vector_norm(without / rest - top_value, dim=-1, keepdim=True)
     stable = torch.where(rest > 0, top_weight * moved, torch.full_like(moved, math.inf))
@@ -90,8 +101,18 @@ def caote_errors(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
-    output = torch.einsum("...n,...nd->...d", weights, values)
-    return eviction_error(weights, values, output)
+    return eviction_error(weights, values, weighted_values(weights, values))
+
+
+def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``sum_i w_i v_i``: ``weights`` ``(..., N)``, ``values`` ``(..., N, d)`` broadcast against them -> ``(..., d)``.
+    A KV group's weights ``(B, H_kv, g, N)`` over its shared values ``(B, H_kv, 1, N, d)`` are one batched matrix
+    product, the values not copied per query head."""
+    if values.dim() == 5 and weights.dim() == 4 and values.shape[2] == 1 and values.shape[:2] == weights.shape[:2]:
+        batch, kv_heads, group, tokens = weights.shape
+        output = torch.bmm(weights.reshape(-1, group, tokens), values.reshape(-1, tokens, values.shape[-1]))
+        return output.view(batch, kv_heads, group, -1)
+    return torch.einsum("...n,...nd->...d", weights, values)
 
 
 def fast_caote_errors(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,6 +156,8 @@ def row_eviction_errors(rows: torch.Tensor, values: torch.Tensor) -> torch.Tenso
         + values.pow(2).sum(-1).unsqueeze(-2)
     )
     error = weights / (1.0 - weights).clamp_min(0.5) * squared.clamp_min(0.0).sqrt()
+    if not may_hold_heavy_token(weights):
+        return error
     return heaviest_token_error(error, weights, values.unsqueeze(3))  # values (B, H_kv, 1, 1, N, d)
 
 
@@ -181,9 +204,10 @@ def keep_recent_rows(previous: torch.Tensor | None, attention: torch.Tensor, row
     """The last ``rows`` attention rows seen, ``(B, H, <=rows, N)``: older rows get zero attention on newer tokens
     (they could not see them)."""
     new = attention.shape[-2]
-    if new >= rows:  # the new rows fill the window (cloned only if they are a slice of a larger tensor)
-        window = attention[..., -rows:, :]
-        return window if new == rows else window.clone()
+    if new == rows:  # the new rows are the window
+        return attention
+    if new > rows:  # the newest of them (cloned: a slice of a larger tensor)
+        return attention[..., -rows:, :].clone()
     if previous is None:
         return attention
     previous = F.pad(previous[..., -(rows - new) :, :], (0, attention.shape[-1] - previous.shape[-1]))

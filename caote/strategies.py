@@ -46,10 +46,10 @@ class Immediate:
     def __init__(self, settings, context: CacheContext):
         self.settings = settings
 
-    def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
-        """Record the rows the base reads, then evict if the layer overflows: to ``budget`` after a prompt block,
-        ``budget - interval + 1`` after a decode step."""
-        layer.record(module, queries, mask, kwargs, real)
+    def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None):
+        """Record the rows the base reads (``rows``: the call's own, when caote computed its attention), then evict
+        if the layer overflows: to ``budget`` after a prompt block, ``budget - interval + 1`` after a decode step."""
+        layer.record(module, queries, mask, kwargs, real, rows)
         if layer.retained > self.settings.budget:
             kept = self.settings.kept_after(layer.new_tokens)
             layer.evict(kept, cache.random_generator, **self.inputs(index, layer))
@@ -111,7 +111,7 @@ class LookAhead(Immediate):
         self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
         self._drafting = False
 
-    def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
+    def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None):
         if self._drafting:
             self._record_draft(index, layer, module, queries, mask, kwargs, real)
         elif layer.new_tokens > 1:
@@ -119,7 +119,7 @@ class LookAhead(Immediate):
             if layer.retained > self.settings.budget:
                 self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's rows are seen
         else:
-            super().after_attention(cache, index, layer, module, queries, mask, kwargs, real)
+            super().after_attention(cache, index, layer, module, queries, mask, kwargs, real, rows)
 
     def _record_draft(self, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
         """Keep a draft query's attention over the tokens a waiting layer held before the draft."""

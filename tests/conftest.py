@@ -80,6 +80,14 @@ def random_ids(length: int, batch: int = 1, seed: int = 0, vocab: int = 96) -> t
     return torch.randint(3, vocab, (batch, length), generator=generator)
 
 
+def prompt_then_step(model, cache, ids, block: int):
+    """Feed ``ids`` in blocks of ``block``, then one greedy decode step (the one that packs a layer decoding in place
+    into its slots); returns that step's output. Call under ``torch.no_grad()``."""
+    for start in range(0, ids.shape[1], block):
+        out = model(input_ids=ids[:, start : start + block], cache=cache, use_cache=True)
+    return model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+
+
 def greedy(model, ids, cache, new_tokens=12, attention_mask=None, block_size=BLOCK, **kwargs):
     """Stock ``model.generate`` with ``cache``, prompts in blocks of ``block_size``, ``new_tokens`` greedy tokens."""
     with torch.no_grad():

@@ -291,3 +291,28 @@ def test_gpu_check_records_a_failing_configuration_and_goes_on_in_bfloat16(tmp_p
     assert results["tova+caote@8"]["error"].startswith("ValueError: budget 4 leaves no room")
     lines = summary_lines(results, run_meta("tiny", "cpu", 64, 4, 2))
     assert any(line.startswith("| tova+caote@8 | failed: ValueError") for line in lines)
+
+
+def test_operator_counts_are_in_the_run_its_document_and_its_targets(tiny_run):
+    document, out = tiny_run
+    counts = document["operators"]["counts"]
+    assert set(counts) == {"full@b", "streamingllm", "tova+caote"}
+    assert 0 < counts["streamingllm"]["extra_per_layer"] < counts["tova+caote"]["extra_per_layer"]
+    assert "## Operators per decode step" in (out / "results.md").read_text()
+    names = [target["target"] for target in document["summary"]["targets"]]
+    assert "decode operators per evicting layer: tova+caote" in names
+
+
+def test_a_scored_decode_step_adds_few_operators_per_evicting_layer():
+    """The speed-by-design limits on the exact eager path: tova+caote <= 35 and h2o+caote <= 45 ATen operators
+    (views included) per evicting layer and decode step beside a full cache of the same size (a layer of which
+    runs 44). A count, not a timing: it does not depend on the machine's load."""
+    from caote.benchmark.operators import operator_counts
+    from caote.benchmark.stats import OPERATOR_LIMITS
+    from caote.testing import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    counts = operator_counts(model, random_ids(100, seed=3), list(OPERATOR_LIMITS) + ["streamingllm"], 64, 32)
+    extra = {name: entry["extra_per_layer"] for name, entry in counts["counts"].items() if name != "full@b"}
+    assert all(extra[name] <= limit for name, limit in OPERATOR_LIMITS.items()), extra
+    assert extra["streamingllm"] <= 10, extra

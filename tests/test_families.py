@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import greedy, random_ids
+from conftest import greedy, prompt_then_step, random_ids
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -136,3 +136,41 @@ def test_readme_family_table_matches_the_test_matrix():
         "README family table is stale: paste `python -c 'from caote.families import family_table; "
         "print(family_table())'` between the markers"
     )
+
+
+@pytest.mark.parametrize("family,backend", CASES)
+@pytest.mark.parametrize("policy", ["tova+caote", "h2o+caote"])
+def test_a_scored_decode_step_attends_once_with_the_family_s_own_numbers(family, backend, policy, monkeypatch):
+    """A decode step in place computes each evicting layer's attention once (`decode_attention`: no model kernel,
+    no second pass for the row), and it equals the family's eager attention over the slots, output and row."""
+    import caote.attention
+    import caote.layer
+
+    fused, second_passes = [], []
+    own = caote.attention.decode_attention
+
+    def checked(module, query, slots, kwargs):
+        output, rows = own(module, query, slots, kwargs)
+        call = {**kwargs, "dropout": 0.0}
+        eager = caote.attention.family_eager_attention(module)
+        want_output, want_rows = eager(module, query.float(), slots.keys.float(), slots.values.float(), None, **call)
+        torch.testing.assert_close(output, want_output.to(query.dtype), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-7)
+        fused.append(module.layer_idx)
+        return output, rows
+
+    def counted(*args, **kwargs):
+        second_passes.append(args[0].layer_idx)
+        return caote.attention.attention_probabilities(*args, **kwargs)
+
+    model = tiny_model(family, attn_implementation=backend)
+    cache = EvictionCache(model, budget=40, policy=policy, block_size=BLOCK)
+    ids = random_ids(2 * BLOCK, seed=23)
+    with cache, torch.no_grad():
+        out = prompt_then_step(model, cache, ids, BLOCK)
+        monkeypatch.setattr(caote.attention, "decode_attention", checked)
+        monkeypatch.setattr(caote.layer, "attention_probabilities", counted)
+        for _ in range(3):
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    evicting = [index for index, layer in enumerate(cache.layers) if isinstance(layer, EvictionLayer)]
+    assert sorted(fused) == sorted(evicting * 3) and second_passes == []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import prompt_then_step, random_ids, tiny_model
 
 from caote.cache import EvictionCache
 from caote.layer import FREE, EvictionLayer
@@ -83,10 +83,7 @@ def test_fifty_decode_steps_allocate_no_new_keys_values_or_positions():
     cache = EvictionCache(model, budget=BUDGET, policy="tova+caote", block_size=BLOCK)
     ids = random_ids(3 * BLOCK, seed=6)
     with cache, torch.no_grad():
-        for start in range(0, ids.shape[1], BLOCK):
-            out = model(input_ids=ids[:, start : start + BLOCK], cache=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
-        out = model(input_ids=token, cache=cache, use_cache=True)  # the first decode step packs the buffers
+        out = prompt_then_step(model, cache, ids, BLOCK)
         held = [(layer.keys, layer.values, layer.positions) for layer in cache.layers]
         pointers = [[tensor.data_ptr() for tensor in tensors] for tensors in held]
         shapes = [[tensor.shape for tensor in tensors] for tensors in held]

@@ -4,6 +4,15 @@ A refactor is "unchanged" when it reproduces the fixture exactly: the positions 
 block-wise prefill (budget 128, blocks of 128) and after 8 greedy decode steps evicting one token each, and the
 decoded tokens.
 
+Exact on the kind of CPU the fixture was recorded on. Another CPU rounds some float sums differently (AVX-512 against
+AVX2), and where two scores are tied to within that rounding the other token may go: K-norm of a repeated token is
+the same norm rotated by RoPE, equal only up to rounding. On a 2026-12-02 machine (AVX-512) the committed fixture
+differed, at the commit that recorded it as after later changes, in 8 of 48 entries (the K-norm ones,
+learned+caote, passkey h2o+fastcaote) by at most 72 of the 11,520 kept positions (0.6 %), and one of them decoded
+its 7th token differently. So a machine that does not reproduce an entry exactly must stay within
+`NEAR_TIE_SHARE` of its positions, in each phase, and agree on all but the last `DIVERGING_TOKENS` tokens; a real
+change of which tokens are kept moves far more (a wrong protection or score moves some in every layer and step).
+
 Record the entries of new policies: ``python tests/test_kept_positions.py`` (the others stay as committed). Record
 every entry again (only when a change is *meant* to alter which tokens are kept, and say so in the commit):
 ``python tests/test_kept_positions.py --all``.
@@ -26,6 +35,8 @@ from caote.policies import policy_names
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kept_positions.json.gz"
 BUDGET, BLOCK, DECODE_STEPS, PROMPT_TOKENS = 128, 128, 8, 600
+NEAR_TIE_SHARE = 0.01  # of the kept positions, the most another CPU's rounding may move (see above)
+DIVERGING_TOKENS = 2  # of the decoded tokens, the last ones another CPU may decode differently
 
 
 def fixed_prompts(tokenizer) -> dict[str, torch.Tensor]:
@@ -39,6 +50,19 @@ def fixed_prompts(tokenizer) -> dict[str, torch.Tensor]:
 
 def _encode(positions: torch.Tensor) -> str:
     return base64.b64encode(gzip.compress(positions.to(torch.int16).numpy().tobytes(), mtime=0)).decode()
+
+
+def _decode(encoded: str) -> torch.Tensor:
+    """``(layers * KV heads, BUDGET)``: each layer and head's kept positions, sorted."""
+    positions = torch.frombuffer(bytearray(gzip.decompress(base64.b64decode(encoded))), dtype=torch.int16)
+    return positions.view(-1, BUDGET).sort(-1).values
+
+
+def moved(got: str, want: str) -> int:
+    """How many kept positions one encoded record holds that the other does not (over every layer and head)."""
+    got, want = _decode(got), _decode(want)
+    assert got.shape == want.shape, "a different number of layers, heads or kept positions"
+    return sum(len(set(a.tolist()) - set(b.tolist())) for a, b in zip(got, want))
 
 
 def kept_positions(model, input_ids: torch.Tensor, policy: str) -> dict:
@@ -92,9 +116,13 @@ def prompts(bundled):
 def test_every_policy_keeps_the_recorded_positions(bundled, expected, prompts, prompt, policy):
     got = kept_positions(bundled[0], prompts[prompt], policy)
     want = expected[f"{prompt}/{policy}"]
-    assert got["prefill"] == want["prefill"], "positions kept after the prefill changed"
-    assert got["decode"] == want["decode"], "positions kept after decoding changed"
-    assert got["tokens"] == want["tokens"]
+    if got == want:  # exact: the kind of CPU the fixture was recorded on
+        return
+    for phase in ("prefill", "decode"):
+        held = _decode(want[phase]).numel()
+        assert moved(got[phase], want[phase]) <= NEAR_TIE_SHARE * held, f"positions kept after the {phase} changed"
+    agreeing = DECODE_STEPS - DIVERGING_TOKENS
+    assert got["tokens"][:agreeing] == want["tokens"][:agreeing]
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from caote.benchmark.config import FULL_AT_BUDGET
 from caote.benchmark.stats import summarise
 
 
@@ -94,6 +95,25 @@ def markdown_report(document: dict) -> str:
                 f"| {name} | {contexts} | {_num(fit['seconds_per_1k_tokens'])} | {_num(fit['r2'], 4)} "
                 f"| {_num(fit['marginal_cost_ratio'])} | {_num(fit['peak_rss_ratio'])} |"
             )
+        lines.append("")
+    operators = document.get("operators")
+    if operators:
+        counts = operators["counts"]
+        lines += [
+            "## Operators per decode step",
+            "",
+            f"ATen operators (views included, a `TorchDispatchMode`) of one decode step after a "
+            f"{operators['prompt_tokens']}-token prompt, beside full@b (whose layer runs "
+            f"{counts[FULL_AT_BUDGET]['per_layer']:.0f}): what one evicting layer adds (median over the "
+            f"{operators['evicting_layers']} evicting layers), and what the forward adds once. The count does not "
+            "depend on the machine's load.",
+            "",
+            "| configuration | extra per evicting layer | extra per forward |",
+            "|---|---|---|",
+        ]
+        for name, entry in counts.items():
+            if name != FULL_AT_BUDGET:
+                lines.append(f"| {name} | {entry['extra_per_layer']:.1f} | {entry['extra_per_forward']:.1f} |")
         lines.append("")
     lines += [
         f"## Targets: {summary['targets_met']} of {summary['targets_total']} met",

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from caote.benchmark.config import BenchConfig, validate_config
+from caote.benchmark.config import FULL_AT_BUDGET, BenchConfig, validate_config
 from caote.benchmark.document import write_documents
 from caote.benchmark.inputs import allow_positions, prompt_ids
 from caote.benchmark.memory import load_average, weight_bytes
+from caote.benchmark.operators import operator_counts
 from caote.benchmark.sample import model_for, run_isolated, run_sample
 from caote.benchmark.stats import summarise
 
@@ -80,6 +81,10 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+    if config.new_tokens and config.decode_policies:
+        prompt = ids[:, : min(config.contexts)]
+        document["operators"] = operator_counts(model, prompt, config.decode_policies, config.budget, config.block_size)
+        log(_operators_line(document["operators"]))
     rounds = max(config.repeats_for(context) for context in config.contexts)
     with tempfile.TemporaryDirectory(prefix="caote-bench-") as workdir:
         ids_path = str(Path(workdir) / "ids.pt")
@@ -128,6 +133,15 @@ def _sample_line(sample: dict) -> str:
     if "decode_tokens_per_s" in sample:
         line += f"  decode {sample['decode_tokens_per_s']:6.2f} tok/s"
     return line + f"  load {sample['load_average'][:1]}"
+
+
+def _operators_line(operators: dict) -> str:
+    counts = operators["counts"]
+    extra = ", ".join(
+        f"{name} {entry['extra_per_layer']:.1f}" for name, entry in counts.items() if name != FULL_AT_BUDGET
+    )
+    own = counts[FULL_AT_BUDGET]["per_layer"]
+    return f"ATen operators an evicting layer adds to a decode step: {extra} (a full@b layer's own: {own:.1f})"
 
 
 def _write_json(document: dict, path: Path) -> None:

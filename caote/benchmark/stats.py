@@ -21,6 +21,8 @@ DECODE_SPEEDUP_TARGET = 1.5
 # quadratic cost doubles it per doubling); process peak memory is flat within this ratio of the smallest context's.
 LINEAR_GROWTH_LIMIT = 1.25
 FLAT_MEMORY_LIMIT = 1.10
+# ATen operators (views included) an evicting layer may add to a decode step on the exact eager path
+OPERATOR_LIMITS = {"tova+caote": 35, "h2o+caote": 45}
 
 
 def _median(values):
@@ -138,6 +140,12 @@ def summarise(document: dict) -> dict:
                         bound=entry["decode_speedup_bound"],
                     )
                 )
+    operators = (document.get("operators") or {}).get("counts", {})
+    for name, limit in OPERATOR_LIMITS.items():
+        if name in operators:
+            targets.append(
+                _target(f"decode operators per evicting layer: {name}", operators[name]["extra_per_layer"], "<=", limit)
+            )
     growth = {name: growth_fit(medians.get(name, {})) for name in configurations if name != FULL_AT_BUDGET}
     growth = {name: fit for name, fit in growth.items() if fit is not None}
     for name, fit in growth.items():

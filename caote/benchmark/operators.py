@@ -1,0 +1,131 @@
+"""ATen operators of one decode step, counted with a `TorchDispatchMode` (views included): what a bounded cache adds
+to each evicting layer, beside a full cache holding the same number of tokens.
+
+On a CPU, and on an accelerator where each operator is a kernel launch, a decode step of a small model costs about
+its operator count; the count does not depend on the machine's load, so it is measured once per run, not per round.
+An operator is counted inside a layer while that decoder layer's attention module runs (projections, rotary
+embedding, the cache update, attention and the eviction); the rest of the forward (embeddings, masks, the
+positions worked out once per forward, the MLPs) is counted apart, per forward.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+from caote.benchmark.config import FULL_AT_BUDGET
+from caote.cache import EvictionCache
+from caote.layer import EvictionLayer
+from caote.settings import CacheSettings
+
+COUNTED_STEPS = 4  # decode steps counted after the warm-up ones; the count is their mean
+
+
+class OperatorCount(TorchDispatchMode):
+    """Counts every ATen operator dispatched while active, by the decoder layer whose attention runs (None: outside
+    every attention module) and by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer: int | None = None
+        self.by_layer: Counter = Counter()
+        self.names: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.by_layer[self.layer] += 1
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_in_attention(model, counter: OperatorCount) -> list:
+    """Hooks that tell ``counter`` which layer's attention module is running."""
+    handles = []
+    for index, layer in enumerate(model.get_decoder().layers):
+
+        def enter(module, args, index=index):
+            counter.layer = index
+
+        def leave(module, args, output):
+            counter.layer = None
+
+        handles += [layer.self_attn.register_forward_pre_hook(enter), layer.self_attn.register_forward_hook(leave)]
+    return handles
+
+
+def decode_step_operators(model, ids: torch.Tensor, configuration: str, budget: int, block: int, warm_up: int = 3):
+    """Operators of the decode steps after a prefill of ``ids``: ``{"per_layer": [...], "per_forward": n, "names":
+    Counter}``, the means over `COUNTED_STEPS` steps after ``warm_up`` uncounted ones. ``configuration`` is a policy
+    (an `EvictionCache` fed in blocks of ``block``) or ``full@b`` (a `DynamicCache` of the last ``budget`` tokens)."""
+    if configuration == FULL_AT_BUDGET:
+        cache, ids, chunk = DynamicCache(), ids[:, -budget:], ids.shape[1]
+    else:
+        cache, chunk = EvictionCache(model, CacheSettings(budget=budget, policy=configuration, block_size=block)), block
+    counts, forwards, names = [], [], Counter()
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            logits = model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True).logits
+        for step in range(warm_up + COUNTED_STEPS):
+            token = logits[:, -1:].argmax(-1)
+            if step < warm_up:
+                logits = model(input_ids=token, cache=cache, use_cache=True).logits
+                continue
+            counter = OperatorCount()
+            handles = _count_in_attention(model, counter)
+            try:
+                with counter:
+                    logits = model(input_ids=token, cache=cache, use_cache=True).logits
+            finally:
+                for handle in handles:
+                    handle.remove()
+            counts.append([counter.by_layer[index] for index in range(len(model.get_decoder().layers))])
+            forwards.append(counter.by_layer[None])
+            names.update(counter.names)
+    if isinstance(cache, EvictionCache):
+        cache.close()
+    per_layer = [statistics.fmean(step[index] for step in counts) for index in range(len(counts[0]))]
+    return {
+        "per_layer": per_layer,
+        "per_forward": statistics.fmean(forwards),
+        "names": {name: count / COUNTED_STEPS for name, count in names.items()},
+    }
+
+
+def evicting_layers(model, budget: int, block: int) -> list[int]:
+    """The layers an `EvictionCache` of ``model`` evicts in (full attention; a hybrid model's sliding layers keep
+    their own window)."""
+    cache = EvictionCache(model, CacheSettings(budget=budget, policy="streamingllm", block_size=block))
+    try:
+        return [index for index, layer in enumerate(cache.layers) if isinstance(layer, EvictionLayer)]
+    finally:
+        cache.close()
+
+
+def operator_counts(model, ids: torch.Tensor, policies, budget: int, block: int) -> dict:
+    """Per policy: the operators an evicting layer adds to a decode step over ``full@b``'s (the median over the
+    evicting layers: the first one also works out what the forward's layers share, counted in
+    ``extra_per_forward`` with everything else the step adds outside the layers' own work), counted after a
+    prefill of ``ids`` (at least ``budget + 1`` tokens, so that every step evicts)."""
+    layers = evicting_layers(model, budget, block)
+    full = decode_step_operators(model, ids, FULL_AT_BUDGET, budget, block)
+    full_layer = statistics.median(full["per_layer"][index] for index in layers)
+    counts = {FULL_AT_BUDGET: {"per_layer": full_layer, "per_forward": full["per_forward"]}}
+    full_total = sum(full["per_layer"]) + full["per_forward"]
+    for policy in policies:
+        measured = decode_step_operators(model, ids, policy, budget, block)
+        extra = statistics.median(measured["per_layer"][index] for index in layers) - full_layer
+        names = Counter(measured["names"])
+        names.subtract(full["names"])
+        counts[policy] = {
+            "extra_per_layer": extra,
+            "extra_per_forward": sum(measured["per_layer"])
+            + measured["per_forward"]
+            - full_total
+            - extra * len(layers),
+            # the step's extra operators by name, over the whole forward, per evicting layer
+            "extra_by_name": {name: n / len(layers) for name, n in sorted(names.items()) if n},
+        }
+    return {"budget": budget, "prompt_tokens": ids.shape[1], "evicting_layers": len(layers), "counts": counts}
