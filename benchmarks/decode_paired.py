@@ -1,0 +1,139 @@
+"""Decoding speed of a few policies beside a full cache of the same size (full@b), in paired rounds, optionally
+against another checkout of caote: each round runs one fresh process per checkout, side by side (one thread each),
+so both see the same load; the ratios are medians over the rounds of per-round ratios.
+
+python benchmarks/decode_paired.py                                   # this checkout: 2k/4k/8k x budgets 256/512
+python benchmarks/decode_paired.py --against /tmp/before --rounds 3  # and an older checkout beside it
+python benchmarks/decode_paired.py --report-from a.json b.json        # the table of rounds saved with --out
+
+The prompt is the start of the test essays (the bundled model, blocks of 128); each configuration prefills it, then
+decodes ``--steps`` greedy tokens, and the median of the last ``--timed`` step times is its ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+FULL_AT_BUDGET = "full@b"
+
+
+def measure(contexts, budgets, policies, steps: int, timed: int) -> dict:
+    """``{"<context>/<budget>/<configuration>": ms per decode step}`` in this process (one thread)."""
+    import torch
+    from transformers import DynamicCache
+
+    from caote.cache import EvictionCache
+    from caote.evaluation.data import essays
+    from caote.models import load_model
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model("smollm2-135m")
+    ids = tokenizer("\n\n".join(essays("test")), return_tensors="pt").input_ids[:, : max(contexts)]
+    results = {}
+    with torch.no_grad():
+        for context in contexts:
+            for budget in budgets:
+                for configuration in [FULL_AT_BUDGET, *policies]:
+                    prompt = ids[:, :context]
+                    if configuration == FULL_AT_BUDGET:
+                        cache, prompt, block = DynamicCache(), prompt[:, -budget:], budget
+                    else:
+                        cache, block = EvictionCache(model, budget=budget, policy=configuration, block_size=128), 128
+                    for start in range(0, prompt.shape[1], block):
+                        out = model(input_ids=prompt[:, start : start + block], cache=cache, logits_to_keep=1)
+                    times = []
+                    for _ in range(steps):
+                        token = out.logits[:, -1:].argmax(-1)
+                        began = time.perf_counter()
+                        out = model(input_ids=token, cache=cache)
+                        times.append(time.perf_counter() - began)
+                    results[f"{context}/{budget}/{configuration}"] = 1000 * statistics.median(times[-timed:])
+                    if isinstance(cache, EvictionCache):
+                        cache.close()
+    return results
+
+
+def worker(tree: Path, arguments: list[str]) -> subprocess.Popen:
+    """A fresh process measuring with the caote of ``tree``."""
+    environment = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", *arguments]
+    return subprocess.Popen(command, cwd=tree, env=environment, stdout=subprocess.PIPE, text=True)
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def table(rounds: list[dict], contexts, budgets, policies) -> str:
+    """The Markdown table of ``rounds``: per configuration the median ms per step and decode speed against full@b,
+    and, when the rounds hold an ``against`` checkout, its ratio and the paired ms ratio this / against."""
+    against = "against" in rounds[0]
+    header = "| prompt | budget | policy | ms per step | decode vs full@b |"
+    if against:
+        header += " vs full@b, --against -> this | ms, this / --against |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for context in contexts:
+        for budget in budgets:
+            full = f"{context}/{budget}/{FULL_AT_BUDGET}"
+            for policy in policies:
+                key = f"{context}/{budget}/{policy}"
+                ms = statistics.median(r["this"][key] for r in rounds)
+                ratio = statistics.median(r["this"][full] / r["this"][key] for r in rounds)
+                line = f"| {context} | {budget} | {policy} | {ms:.1f} | {ratio:.2f} |"
+                if against:
+                    before = statistics.median(r["against"][full] / r["against"][key] for r in rounds)
+                    paired = statistics.median(r["this"][key] / r["against"][key] for r in rounds)
+                    line += f" {before:.2f} -> {ratio:.2f} | {paired:.2f} |"
+                lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="2048,4096,8192")
+    parser.add_argument("--budgets", default="256,512")
+    parser.add_argument("--policies", default="streamingllm,h2o+caote,tova+caote")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--timed", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", type=Path, help="another caote checkout, measured side by side")
+    parser.add_argument("--out", type=Path, help="write every round's numbers here (JSON)")
+    parser.add_argument("--report-from", type=Path, nargs="+", help="measure nothing: the table of saved rounds")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    contexts = [int(value) for value in args.contexts.split(",")]
+    budgets = [int(value) for value in args.budgets.split(",")]
+    policies = args.policies.split(",")
+    if args.worker:
+        print(json.dumps(measure(contexts, budgets, policies, args.steps, args.timed)))
+        return 0
+    if args.report_from:
+        print(
+            table([r for path in args.report_from for r in json.loads(path.read_text())], contexts, budgets, policies)
+        )
+        return 0
+    trees = {"this": HERE, **({"against": args.against.resolve()} if args.against else {})}
+    passed = [f"--{name}={getattr(args, name)}" for name in ("contexts", "budgets", "policies", "steps", "timed")]
+    rounds = []
+    for number in range(args.rounds):
+        started = load()
+        running = {name: worker(tree, passed) for name, tree in trees.items()}
+        measured = {name: json.loads(process.communicate()[0]) for name, process in running.items()}
+        rounds.append({"load_start": started, "load_end": load(), **measured})
+        print(f"round {number + 1}: load {started:.2f} -> {load():.2f}", file=sys.stderr, flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rounds, indent=1))
+    print(table(rounds, contexts, budgets, policies))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
