@@ -102,7 +102,7 @@ def caote_attention(backend: str, module: nn.Module, query, key, value, attentio
     if views is not None:  # one pass for the output and the row the policy reads
         output, rows = decode_attention(module, query, views, kwargs)
         active.cache.after_attention(module, query, key, value, attention_mask, kwargs, rows)
-        return output, None
+        return output, rows  # the weights, as the eager kernel returns them (float32, as the query)
     output = kernel(module, query, key, value, attention_mask, **kwargs)
     active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
     return output
@@ -212,28 +212,24 @@ class SlotViews(NamedTuple):
 
 
 def decode_attention(module: nn.Module, query: torch.Tensor, slots: SlotViews, kwargs: dict):
-    """A lone decoding query's attention over every slot (no mask), once for both the layer and its policy: returns
-    the output ``(B, 1, H_q, d_v)`` in the query's dtype, as the model's kernel returns it, and the probabilities
-    ``(B, H_q, 1, N)`` in float32, as `attention_probabilities` computes them.
+    """A lone decoding float32 query's attention over every slot (no mask), once for both the layer and its policy:
+    returns the output ``(B, 1, H_q, d_v)``, as the model's kernel returns it, and the probabilities
+    ``(B, H_q, 1, N)``, as `attention_probabilities` computes them.
 
-    ``softmax(q k^T * scaling)`` over float32 logits and the output from the float32 probabilities: in a float32
-    model the model's own computation up to the order of additions, in a lower precision a more precise one. A KV
-    head's query group is one matrix product (no copy of the keys or values per query head). A family whose
-    attention is more than a scaled dot product (soft-capping, attention sinks) runs its own eager function on
-    float32 inputs instead."""
+    ``softmax(q k^T * scaling)``, then the probabilities times the values: the model's own computation up to the
+    order of additions (the cache calls it for float32 queries only, `EvictionCache.attends`). A KV head's query
+    group is one matrix product (no copy of the keys or values per query head). A family whose attention is more
+    than a scaled dot product (soft-capping, attention sinks) runs its own eager function instead."""
     scaling = kwargs.get("scaling")
     if scaling is None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        call = {**kwargs, "dropout": 0.0}
-        output, probabilities = family_eager_attention(module)(
-            module, query.float(), slots.keys.float(), slots.values.float(), None, **call
+        return family_eager_attention(module)(
+            module, query, slots.keys, slots.values, None, **{**kwargs, "dropout": 0.0}
         )
-        return output.to(query.dtype), probabilities
     batch, heads, _, dim = query.shape
     groups, tokens = slots.keys_t.shape[0], slots.keys_t.shape[-1]
-    logits = torch.bmm(query.reshape(groups, -1, dim).float(), slots.keys_t.float())
-    probabilities = (logits * scaling).softmax(-1)
-    output = torch.bmm(probabilities, slots.flat_values.float())
-    return output.view(batch, 1, heads, -1).to(query.dtype), probabilities.view(batch, heads, 1, tokens)
+    probabilities = (torch.bmm(query.reshape(groups, -1, dim), slots.keys_t) * scaling).softmax(-1)
+    output = torch.bmm(probabilities, slots.flat_values)
+    return output.view(batch, 1, heads, -1), probabilities.view(batch, heads, 1, tokens)
 
 
 class ForwardSwitch:

@@ -287,10 +287,7 @@ class EvictionCache(Cache):
         self.layers = [_detached(layer) for layer in snapshot.layers]
         for layer in self.layers:  # a snapshot of another cache (the evaluation's full-cache prefix) evicts as this one
             if isinstance(layer, EvictionLayer):
-                layer.settings = self.settings
-                layer.decodes_in_place = self._decodes_in_place and not self.frozen
-                if layer.in_place and (not layer.decodes_in_place or layer.keys.shape[-2] != self.budget + 1):
-                    layer.leave_slots()  # slots of another schedule or budget: back to arrival order
+                layer.adopt(self.settings, self._decodes_in_place and not self.frozen)
         if self.strategy is not None:
             self.strategy.restored(self.layers)
         self._shared.clear()
@@ -334,11 +331,14 @@ class EvictionCache(Cache):
 
     def attends(self, module: nn.Module, queries) -> SlotViews | None:
         """The layer's slot views when caote computes ``module``'s attention in this call
-        (`caote.attention.decode_attention`): a lone query of a layer decoding in place that reads its attention row
-        now (`EvictionLayer.reads_row_now`), so the row comes from the call itself instead of a second pass."""
+        (`caote.attention.decode_attention`): a lone float32 query of a layer decoding in place that reads its
+        attention row now (`EvictionLayer.reads_row_now`), so the row comes from the call itself instead of a second
+        pass. In a lower precision the model's kernel keeps computing the output, so that a decode step in place
+        gives the same output as one in arrival order."""
         layer = self.layers[module.layer_idx]
         if (
             queries.shape[-2] == 1
+            and queries.dtype == torch.float32  # elsewhere the model's kernel keeps the output in its own dtype
             and isinstance(layer, EvictionLayer)
             and self.strategy is not None
             and not self.frozen

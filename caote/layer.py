@@ -123,8 +123,21 @@ class EvictionLayer(DynamicLayer):
             self.history = torch.nn.functional.pad(self.history, (0, 1))
         self.free = torch.full((batch, kv_heads, 1), tokens, dtype=torch.long, device=keys.device)
         self._no_free = self.free[..., :0]
-        # sinks are never evicted, so their slots stay theirs while the layer decodes in place
-        self._sinks = (positions >= 0) & (positions < self.settings.sink_tokens)
+        self.find_sinks()
+
+    def find_sinks(self) -> None:
+        """Record the slots of the sink tokens: never evicted, they stay theirs while the layer decodes in place
+        (found again when the settings change, `adopt`)."""
+        self._sinks = (self.positions >= 0) & (self.positions < self.settings.sink_tokens)
+
+    def adopt(self, settings: CacheSettings, decodes_in_place: bool) -> None:
+        """Evict as ``settings`` say from now on (a restored snapshot, perhaps of another cache); slots of another
+        schedule or budget return to arrival order."""
+        self.settings, self.decodes_in_place = settings, decodes_in_place
+        if self.in_place and (not decodes_in_place or self.keys.shape[-2] != settings.budget + 1):
+            self.leave_slots()
+        elif self.in_place:
+            self.find_sinks()
 
     def _write(self, key_states, value_states):
         """Write the step's token into the next free slot of every KV head, in place."""
@@ -137,8 +150,9 @@ class EvictionLayer(DynamicLayer):
         if self.values.shape[-1] != self.keys.shape[-1]:
             index = slot.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[-1])
         self.values.scatter_(2, index, value_states)
-        if self.padded or self.free.shape[-1]:  # `slot_mask` reads the positions: mark the slot taken; the true
-            self.positions.scatter_(2, slot, self.cumulative_length - 1)  # position follows in `add_positions`
+        # the slot is taken (`slot_mask` and a forward that raises before `add_positions` read it as such); the
+        # true position follows in `add_positions`
+        self.positions.scatter_(2, slot, self.cumulative_length - 1)
         self._written = slot
         return self.keys, self.values
 
@@ -193,6 +207,7 @@ class EvictionLayer(DynamicLayer):
     def detached_copy(self) -> EvictionLayer:
         """A copy that later in-place writes of either do not reach (buffers are shared unless decoding in place)."""
         twin = copy.copy(self)
+        twin._views = None  # views of this layer's buffers, which the twin must not keep alive
         if self.in_place:
             twin.keys, twin.values, twin.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
             twin.history = None if self.history is None else self.history.clone()
@@ -320,7 +335,8 @@ class EvictionLayer(DynamicLayer):
             -1
         )
         self.keys = self.keys.reshape(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
-        self.values = self.values.reshape(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
+        value_dim = self.values.shape[-1]
+        self.values = self.values.reshape(-1, value_dim).index_select(0, rows).view(batch, kv_heads, -1, value_dim)
         self.positions = self.positions.gather(2, indices)
         if self.history is not None:
             self.history = self.history.gather(-1, history_index(indices, self.history))

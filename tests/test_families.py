@@ -153,8 +153,8 @@ def test_a_scored_decode_step_attends_once_with_the_family_s_own_numbers(family,
         output, rows = own(module, query, slots, kwargs)
         call = {**kwargs, "dropout": 0.0}
         eager = caote.attention.family_eager_attention(module)
-        want_output, want_rows = eager(module, query.float(), slots.keys.float(), slots.values.float(), None, **call)
-        torch.testing.assert_close(output, want_output.to(query.dtype), rtol=1e-5, atol=1e-6)
+        want_output, want_rows = eager(module, query, slots.keys, slots.values, None, **call)
+        torch.testing.assert_close(output, want_output, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-7)
         fused.append(module.layer_idx)
         return output, rows

@@ -225,9 +225,42 @@ def test_restoring_into_a_frozen_cache_or_after_a_failed_forward_returns_to_arri
     cache = EvictionCache(model, budget=BUDGET, policy="tova+caote", block_size=BLOCK)
     with cache:
         decode(model, cache, random_ids(3 * BLOCK, seed=14), 3)
-        for layer in cache.layers:  # as if a forward raised after writing its token, before its eviction
-            layer.free = layer.free[..., :0]
-            layer.positions[layer.positions == FREE] = layer.positions.amax() + 1
+
+        def fail(*args, **kwargs):  # a forward that raises after the first layer wrote its token, before eviction
+            raise RuntimeError("interrupted")
+
+        cache.after_attention = fail
+        with pytest.raises(RuntimeError, match="interrupted"):
+            decode_steps(model, cache, 1)
+        del cache.after_attention
+        assert cache.layers[0].free.shape[-1] == 0  # its one free slot took the token
         decode_steps(model, cache, 2)
         assert all(layer.retained == BUDGET for layer in cache.layers)
         assert all(int((layer.kept_positions() >= 0).sum()) == 2 * BUDGET for layer in cache.layers)
+
+
+def test_a_snapshot_restored_into_a_cache_with_more_sinks_decodes_in_place_keeping_them():
+    model = tiny_model("llama")
+    source = EvictionCache(model, budget=BUDGET, policy="tova+caote", block_size=BLOCK, sink_tokens=2)
+    target = EvictionCache(model, budget=BUDGET, policy="tova+caote", block_size=BLOCK, sink_tokens=12)
+    with source, target:
+        decode(model, source, random_ids(3 * BLOCK, seed=15), 3)
+        target.restore(source.snapshot())
+        assert all(layer.in_place for layer in target.layers)  # same schedule and budget: it stays in its slots
+        early = [layer.kept_positions()[layer.kept_positions() < 12] for layer in target.layers]
+        assert all(len(held) > 2 * 2 for held in early)  # more than the source's own sinks, in both KV heads
+        decode_steps(model, target, 20)
+        for layer, held in zip(target.layers, early):  # the target's sinks are never evicted
+            assert torch.equal(layer.kept_positions()[layer.kept_positions() < 12], held)
+
+
+@pytest.mark.parametrize("policy", ["tova+caote", "h2o+caote"])
+def test_in_bfloat16_the_model_s_kernel_keeps_the_output_so_the_slots_match_arrival_order(policy):
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids = random_ids(3 * BLOCK + 5, seed=16)
+    with EvictionCache(model, budget=BUDGET, policy=policy, block_size=BLOCK) as slots:
+        got = decode(model, slots, ids, 12)
+    with arrival_order(EvictionCache(model, budget=BUDGET, policy=policy, block_size=BLOCK)) as reference:
+        want = decode(model, reference, ids, 12)
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)  # the slots' order changes bfloat16's sums only
+    assert all(torch.equal(a, b) for a, b in zip(kept(slots), kept(reference)))

@@ -10,8 +10,10 @@ the same norm rotated by RoPE, equal only up to rounding. On a 2026-12-02 machin
 differed, at the commit that recorded it as after later changes, in 8 of 48 entries (the K-norm ones,
 learned+caote, passkey h2o+fastcaote) by at most 72 of the 11,520 kept positions (0.6 %), and one of them decoded
 its 7th token differently. So a machine that does not reproduce an entry exactly must stay within
-`NEAR_TIE_SHARE` of its positions, in each phase, and agree on all but the last `DIVERGING_TOKENS` tokens; a real
-change of which tokens are kept moves far more (a wrong protection or score moves some in every layer and step).
+`NEAR_TIE_SHARE` of its positions in each phase and decode the same tokens; the entries seen to differ
+(`NEAR_TIED`) within `NEAR_TIED_SHARE`, agreeing on all but the last `DIVERGING_TOKENS` tokens. A real change of
+which tokens are kept moves far more (closely related policies differ in 3-38 % of the positions; a wrong
+protection moves some in every layer and step).
 
 Record the entries of new policies: ``python tests/test_kept_positions.py`` (the others stay as committed). Record
 every entry again (only when a change is *meant* to alter which tokens are kept, and say so in the commit):
@@ -35,8 +37,14 @@ from caote.policies import policy_names
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kept_positions.json.gz"
 BUDGET, BLOCK, DECODE_STEPS, PROMPT_TOKENS = 128, 128, 8, 600
-NEAR_TIE_SHARE = 0.01  # of the kept positions, the most another CPU's rounding may move (see above)
-DIVERGING_TOKENS = 2  # of the decoded tokens, the last ones another CPU may decode differently
+NEAR_TIE_SHARE = 0.001  # of the kept positions, the most another CPU's rounding may move (see above)
+# the entries another CPU was seen to change, with their share of positions and of the last decoded tokens
+NEAR_TIED = {
+    f"{prompt}/{policy}"
+    for prompt in ("essay", "passkey")
+    for policy in ("knorm", "knorm+caote", "knorm+fastcaote", "learned+caote", "h2o+fastcaote")
+}
+NEAR_TIED_SHARE, DIVERGING_TOKENS = 0.01, 2
 
 
 def fixed_prompts(tokenizer) -> dict[str, torch.Tensor]:
@@ -118,10 +126,12 @@ def test_every_policy_keeps_the_recorded_positions(bundled, expected, prompts, p
     want = expected[f"{prompt}/{policy}"]
     if got == want:  # exact: the kind of CPU the fixture was recorded on
         return
+    near_tied = f"{prompt}/{policy}" in NEAR_TIED
+    share = NEAR_TIED_SHARE if near_tied else NEAR_TIE_SHARE
     for phase in ("prefill", "decode"):
         held = _decode(want[phase]).numel()
-        assert moved(got[phase], want[phase]) <= NEAR_TIE_SHARE * held, f"positions kept after the {phase} changed"
-    agreeing = DECODE_STEPS - DIVERGING_TOKENS
+        assert moved(got[phase], want[phase]) <= share * held, f"positions kept after the {phase} changed"
+    agreeing = DECODE_STEPS - DIVERGING_TOKENS if near_tied else DECODE_STEPS
     assert got["tokens"][:agreeing] == want["tokens"][:agreeing]
 
 

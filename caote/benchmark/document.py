@@ -102,7 +102,7 @@ def markdown_report(document: dict) -> str:
         lines += [
             "## Operators per decode step",
             "",
-            f"ATen operators (views included, a `TorchDispatchMode`) of one decode step after a "
+            f"ATen operators (views included, a `TorchDispatchMode`) of one decode step evicting one token after a "
             f"{operators['prompt_tokens']}-token prompt, beside full@b (whose layer runs "
             f"{counts[FULL_AT_BUDGET]['per_layer']:.0f}): what one evicting layer adds (median over the "
             f"{operators['evicting_layers']} evicting layers), and what the forward adds once. The count does not "

@@ -3,7 +3,8 @@ to each evicting layer, beside a full cache holding the same number of tokens.
 
 On a CPU, and on an accelerator where each operator is a kernel launch, a decode step of a small model costs about
 its operator count; the count does not depend on the machine's load, so it is measured once per run, not per round.
-An operator is counted inside a layer while that decoder layer's attention module runs (projections, rotary
+Counted on the CPU, one token evicted per step (``decode_eviction_interval=1``, the scored step). An operator is
+counted inside a layer while that decoder layer's attention module runs (projections, rotary
 embedding, the cache update, attention and the eviction); the rest of the forward (embeddings, masks, the
 positions worked out once per forward, the MLPs) is counted apart, per forward.
 """

@@ -81,8 +81,9 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    if config.new_tokens and config.decode_policies:
-        prompt = ids[:, : min(config.contexts)]
+    evicting = [context for context in sorted(config.contexts) if context > config.budget]  # every step evicts
+    if config.new_tokens and config.decode_policies and evicting:
+        prompt = ids[:, : evicting[0]]
         document["operators"] = operator_counts(model, prompt, config.decode_policies, config.budget, config.block_size)
         log(_operators_line(document["operators"]))
     rounds = max(config.repeats_for(context) for context in config.contexts)
