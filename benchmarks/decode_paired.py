@@ -21,15 +21,16 @@ import sys
 import time
 from pathlib import Path
 
+from caote.benchmark.config import FULL_AT_BUDGET
+
 HERE = Path(__file__).resolve().parents[1]
-FULL_AT_BUDGET = "full@b"
 
 
 def measure(contexts, budgets, policies, steps: int, timed: int) -> dict:
     """``{"<context>/<budget>/<configuration>": ms per decode step}`` in this process (one thread)."""
     import torch
-    from transformers import DynamicCache
 
+    from caote.benchmark.sample import configuration_cache
     from caote.cache import EvictionCache
     from caote.evaluation.data import essays
     from caote.models import load_model
@@ -42,11 +43,7 @@ def measure(contexts, budgets, policies, steps: int, timed: int) -> dict:
         for context in contexts:
             for budget in budgets:
                 for configuration in [FULL_AT_BUDGET, *policies]:
-                    prompt = ids[:, :context]
-                    if configuration == FULL_AT_BUDGET:
-                        cache, prompt, block = DynamicCache(), prompt[:, -budget:], budget
-                    else:
-                        cache, block = EvictionCache(model, budget=budget, policy=configuration, block_size=128), 128
+                    cache, prompt, block = configuration_cache(model, configuration, ids[:, :context], budget, 128)
                     for start in range(0, prompt.shape[1], block):
                         out = model(input_ids=prompt[:, start : start + block], cache=cache, logits_to_keep=1)
                     times = []

@@ -16,9 +16,9 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache
 
 from caote.benchmark.config import FULL_AT_BUDGET
+from caote.benchmark.sample import configuration_cache
 from caote.cache import EvictionCache
 from caote.layer import EvictionLayer
 from caote.settings import CacheSettings
@@ -61,10 +61,7 @@ def decode_step_operators(model, ids: torch.Tensor, configuration: str, budget: 
     """Operators of the decode steps after a prefill of ``ids``: ``{"per_layer": [...], "per_forward": n, "names":
     Counter}``, the means over `COUNTED_STEPS` steps after ``warm_up`` uncounted ones. ``configuration`` is a policy
     (an `EvictionCache` fed in blocks of ``block``) or ``full@b`` (a `DynamicCache` of the last ``budget`` tokens)."""
-    if configuration == FULL_AT_BUDGET:
-        cache, ids, chunk = DynamicCache(), ids[:, -budget:], ids.shape[1]
-    else:
-        cache, chunk = EvictionCache(model, CacheSettings(budget=budget, policy=configuration, block_size=block)), block
+    cache, ids, chunk = configuration_cache(model, configuration, ids, budget, block)
     counts, forwards, names = [], [], Counter()
     with torch.no_grad():
         for start in range(0, ids.shape[1], chunk):
