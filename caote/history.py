@@ -74,6 +74,13 @@ class SumAndRecent:
 
     def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         tokens = rows.shape[-1]
+        full_window = history is not None and history.shape[2] == RECENT_START + self.window
+        if in_place and full_window and rows.shape[-2] == 1 and history.shape[-1] == tokens:  # a decode step's row
+            history[:, :, 0].add_(rows[:, :, 0])
+            recent = history[:, :, RECENT_START:]
+            recent[:, :, :-1] = recent[:, :, 1:].clone()  # the window moves on by one row
+            recent[:, :, -1] = rows[:, :, 0]
+            return history
         if history is not None and history.shape[-1] < tokens:
             history = F.pad(history, (0, tokens - history.shape[-1]))  # new tokens: no key term yet
         total = accumulate_attention(None if history is None else history[:, :, 0], rows)

@@ -81,6 +81,48 @@ def _log(mass: torch.Tensor) -> torch.Tensor:
     return torch.log(mass.clamp_min(0.0) + EPSILON)
 
 
+_PRODUCT_COLUMNS = tuple(torch.tensor([SCALARS.index(pair[side]) for pair in PRODUCTS]) for side in (0, 1))
+
+
+def scalar_features(inputs, sink_tokens: int) -> torch.Tensor:
+    """``(B, H_kv, 28, N)``, feature axis before the token axis: the 13 scalars (`token_features`), the squares of
+    the 11 continuous ones and the 4 products, each kind of operation applied to all its columns at once, every
+    column a contiguous row of tokens (a decode step runs this for every held token)."""
+    history = inputs.history.float()
+    batch, query_heads, _, tokens = history.shape
+    kv_heads = inputs.values.shape[1]
+    positions = inputs.positions
+    newest = positions.amax(-1, keepdim=True)
+    seen_by = (newest + 1 - positions).clamp_min(1).float()  # queries that have seen the token (itself included)
+    recent = history[:, :, RECENT_START:]
+    # the KV group's mean of: the running sum, the block's sum and maximum, the recent rows' sum and maximum, the
+    # newest row
+    statistics = [history[:, :, :3], recent.sum(2, keepdim=True), recent.amax(2, keepdim=True), recent[:, :, -1:]]
+    rows = torch.cat(statistics, 2)
+    total, block_sum, block_max, recent_sum, recent_max, newest_row = (
+        rows.view(batch, kv_heads, query_heads // kv_heads, 6, tokens).mean(2).unbind(2)
+    )
+    recent_mean = recent_sum / seen_by.clamp_max(recent.shape[2])
+    if inputs.new_tokens > 1:  # a prompt block: its own mean and maximum over the queries that see the token
+        block_mean = block_sum / seen_by.clamp_max(inputs.new_tokens)
+    else:  # a decode step: the newest decoded queries stand in for the block
+        block_mean, block_max = recent_mean, recent_max
+    sums = group_query_heads(history[:, :, 0], kv_heads)
+    if inputs.real is not None:
+        sums = sums.masked_fill(~inputs.real.unsqueeze(2), float("-inf"))
+    weights = normalise_weights(sums, padded=inputs.real is not None, positive=True)
+    caote = aggregate_groups(caote_errors(weights, inputs.values.unsqueeze(2)), "rss")
+    value_norm = torch.linalg.vector_norm(inputs.values.float(), dim=-1)
+    masses = [total, total / seen_by, block_mean, block_max, recent_mean, recent_max, newest_row, value_norm, caote]
+    logged = _log(torch.stack(masses, 2))
+    counts = torch.log1p(torch.stack([newest - positions, positions], 2).clamp_min(0).float())  # age, position
+    flags = torch.stack([positions > newest - inputs.new_tokens, positions < sink_tokens], 2).float()
+    scalars = torch.cat([logged[:, :, :7], counts, logged[:, :, 7:], flags], 2)  # SCALARS order
+    first, second = (columns.to(scalars.device) for columns in _PRODUCT_COLUMNS)
+    products = scalars.index_select(2, first) * scalars.index_select(2, second)
+    return torch.cat([scalars, scalars[:, :, : len(SQUARED)].square(), products], 2)
+
+
 def token_features(inputs, groups: tuple[str, ...], unrotate: Callable | None, sink_tokens: int) -> torch.Tensor:
     """``(B, H_kv, N, F)`` float32 features of every token a layer holds (`caote.policies.ScoreInputs`, whose
     ``history`` is `caote.history.SumAndRecent`'s), columns as `feature_names`. With ``t`` tokens seen, token ``j``
@@ -95,54 +137,9 @@ def token_features(inputs, groups: tuple[str, ...], unrotate: Callable | None, s
         log_caote = log c_j (CAOTE over the normalised H2O sums, rss over the group)
         new = [p_j >= t - block]          sink = [p_j < sinks] (always 0 on candidates: sinks are protected)
     """
-    history = inputs.history.float()
-    batch, query_heads, _, tokens = history.shape
-    kv_heads = inputs.values.shape[1]
-
-    def per_kv_head(rows: torch.Tensor) -> torch.Tensor:  # (B, H_q, N) -> (B, H_kv, N): the group's mean
-        return rows.view(batch, kv_heads, query_heads // kv_heads, tokens).mean(2)
-
-    positions = inputs.positions
-    newest = positions.amax(-1, keepdim=True)
-    seen_by = (newest + 1 - positions).clamp_min(1).float()  # queries that have seen the token (itself included)
-    recent = history[:, :, RECENT_START:]
-    recent_seen = seen_by.clamp_max(recent.shape[2])
-    recent_mean = per_kv_head(recent.sum(2)) / recent_seen
-    recent_max = per_kv_head(recent.amax(2))
-    if inputs.new_tokens > 1:  # a prompt block: its own mean and maximum over the queries that see the token
-        block_mean = per_kv_head(history[:, :, 1]) / seen_by.clamp_max(inputs.new_tokens)
-        block_max = per_kv_head(history[:, :, 2])
-    else:  # a decode step: the newest decoded queries stand in for the block
-        block_mean, block_max = recent_mean, recent_max
-    columns: list[torch.Tensor] = []
-    if "scalars" in groups:
-        total = per_kv_head(history[:, :, 0])
-        sums = group_query_heads(history[:, :, 0], kv_heads)
-        if inputs.real is not None:
-            sums = sums.masked_fill(~inputs.real.unsqueeze(2), float("-inf"))
-        weights = normalise_weights(sums, padded=inputs.real is not None)
-        caote = aggregate_groups(caote_errors(weights, inputs.values.unsqueeze(2)), "rss")
-        scalar = {
-            "log_sum": _log(total),
-            "log_sum_per_query": _log(total / seen_by),
-            "log_block_mean": _log(block_mean),
-            "log_block_max": _log(block_max),
-            "log_recent_mean": _log(recent_mean),
-            "log_recent_max": _log(recent_max),
-            "log_newest": _log(per_kv_head(recent[:, :, -1])),
-            "log_age": torch.log1p((newest - positions).clamp_min(0).float()),
-            "log_position": torch.log1p(positions.clamp_min(0).float()),
-            "log_value_norm": _log(torch.linalg.vector_norm(inputs.values.float(), dim=-1)),
-            "log_caote": _log(caote.float()),
-            "new": (positions > newest - inputs.new_tokens).float(),
-            "sink": (positions < sink_tokens).float(),
-        }
-        columns += [scalar[name] for name in SCALARS]
-        columns += [scalar[name].square() for name in SQUARED]
-        columns += [scalar[a] * scalar[b] for a, b in PRODUCTS]
-    stacked = [torch.stack(columns, dim=-1)] if columns else []
+    stacked = [scalar_features(inputs, sink_tokens).transpose(-1, -2)] if "scalars" in groups else []
     if "key" in groups:
-        key = unrotate(inputs.keys.float(), positions.clamp_min(0))
+        key = unrotate(inputs.keys.float(), inputs.positions.clamp_min(0))
         stacked += [key, key.square()]
     if "value" in groups:
         stacked.append(inputs.values.float())
@@ -167,17 +164,34 @@ def rotary_inverse(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], t
         {"layer_type": "full_attention"} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
     )
     scale = float(getattr(rotary, "attention_scaling", 1.0)) ** 2
+    rope_type = getattr(rotary, "rope_type", "default")
+    rope_type = rope_type.get("full_attention", "default") if isinstance(rope_type, dict) else rope_type
+    # the angles of a position never change unless the embedding rescales with the length it has seen
+    fixed = "dynamic" not in rope_type and rope_type != "longrope"
+    table: list[torch.Tensor] = []  # fixed: cos / scale and -sin / scale of positions 0, 1, ... (grown by doubling)
 
     def angles(keys: torch.Tensor, positions: torch.Tensor):
         batch, heads, tokens, _ = keys.shape
         cos, sin = rotary(keys, positions.reshape(batch * heads, tokens), **layer_type)
         return cos.float(), sin.float()
 
+    def inverse_angles(keys: torch.Tensor, positions: torch.Tensor):
+        if not fixed:
+            cos, sin = angles(keys, positions)
+            return cos / scale, -sin / scale
+        needed = int(positions.max()) + 1
+        if not table or table[0].shape[0] < needed or table[0].device != keys.device:
+            length = max(needed, 2 * table[0].shape[0] if table else 1024)
+            cos, sin = rotary(keys, torch.arange(length, device=keys.device).view(1, length), **layer_type)
+            table[:] = [cos[0].float() / scale, -sin[0].float() / scale]
+        flat = positions.reshape(-1, positions.shape[-1])
+        return table[0][flat], table[1][flat]
+
     def unrotate(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, heads, tokens, dim = keys.shape
-        cos, sin = angles(keys, positions)
+        cos, sin = inverse_angles(keys, positions)
         flat = keys.reshape(batch * heads, 1, tokens, dim)
-        return apply(flat, flat, cos / scale, -sin / scale)[1].view(batch, heads, tokens, dim)
+        return apply(flat, flat, cos, sin)[1].view(batch, heads, tokens, dim)
 
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(1, 1, 6, attention.head_dim, generator=generator)
@@ -312,6 +326,12 @@ def _read_predictor(path: str, version: tuple[int, int, int]) -> Predictor:
     return Predictor._read(path)
 
 
+def linear_map(features: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``(B, H_kv, N, F)`` features, ``(H_kv, F)`` weights -> ``(B, H_kv, N)``: each head's weights dotted with its
+    tokens' features (a product and a sum: fewer operators than a batched matrix product at these sizes)."""
+    return (features * weights.to(features.device).unsqueeze(1)).sum(-1)
+
+
 class LayerPredictor:
     """One layer's map from features to predicted log future mass: ``(B, H_kv, N, F) @ (H_kv, F)``.
 
@@ -337,11 +357,10 @@ class LayerPredictor:
         history, positions = layer.history, layer.positions
         group = history.shape[1] // positions.shape[1]
         missing = (history[:, ::group, KEY_TERM_POSITION] != positions + 1) & (positions >= 0)
-        counts = missing.sum(-1)
-        most = int(counts.max())
+        least, most = (int(count) for count in torch.aminmax(missing.sum(-1)))
         if most == 0:
             return
-        if int(counts.min()) == most:  # as many in every KV head (a prompt block, a decode step): just those
+        if least == most:  # as many in every KV head (a prompt block, a decode step): just those
             slots = missing.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :most]
         else:
             slots = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
@@ -358,20 +377,21 @@ class LayerPredictor:
     def predict(self, inputs) -> torch.Tensor:
         """``(B, H_kv, N)`` predicted log future mass of every token held (the key terms from the history)."""
         if "key" not in self.groups:
-            features = self.features(inputs)
-            return torch.einsum("bhnf,hf->bhn", features, self.weights.to(features.device))
+            return linear_map(self.features(inputs), self.weights)
         group = inputs.history.shape[1] // inputs.positions.shape[1]
         remembered = inputs.history[:, ::group, KEY_TERM].float()
         known = inputs.history[:, ::group, KEY_TERM_POSITION] == inputs.positions + 1
         if not bool((known | (inputs.positions < 0)).all()):
             raise RuntimeError("the learned policy's key terms are missing: call remember_keys before predict")
-        rest = tuple(name for name in self.groups if name != "key")
-        if not rest:  # a predictor of the key alone
+        rows = [scalar_features(inputs, self.sink_tokens)] if "scalars" in self.groups else []
+        if "value" in self.groups:
+            rows.append(inputs.values.float().transpose(-1, -2))
+        if not rows:  # a predictor of the key alone
             return remembered
-        features = token_features(inputs, rest, self.unrotate, self.sink_tokens)
         columns = self._key_columns(inputs.keys.shape[-1])
         weights = torch.cat([self.weights[:, : columns.start], self.weights[:, columns.stop :]], dim=-1)
-        return torch.einsum("bhnf,hf->bhn", features, weights.to(features.device)) + remembered
+        features = rows[0] if len(rows) == 1 else torch.cat(rows, 2)  # (B, H_kv, F, N): a contiguous row per feature
+        return (features * weights.to(features.device).unsqueeze(-1)).sum(2) + remembered
 
 
 def learned_score(inputs) -> torch.Tensor:

@@ -51,11 +51,21 @@ def test_sum_and_recent_keeps_h2os_sum_the_block_and_the_newest_rows():
     assert torch.allclose(history[:, :, 1], last_block.sum(2)) and torch.equal(history[:, :, 2], last_block.amax(2))
 
 
-def test_rope_is_undone_by_position(llama):
+def test_a_decode_steps_row_folds_in_place_as_the_copying_fold_does():
+    history = SumAndRecent(4).fold(None, torch.rand(1, 2, 6, 9))  # a prompt block: the window is full
+    for step in range(3):
+        row = torch.rand(1, 2, 1, 9)
+        copied = SumAndRecent(4).fold(history.clone(), row)
+        folded = SumAndRecent(4).fold(history, row, in_place=True)
+        assert folded.data_ptr() == history.data_ptr() and torch.equal(folded, copied)  # the same bits, no copy
+
+
+@pytest.mark.parametrize("newest", [5, 3000])  # within the first table of angles, and past it (it grows)
+def test_rope_is_undone_by_position(llama, newest):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     keys = torch.randn(1, 2, 7, llama.config.head_dim)
-    positions = torch.tensor([[3, 0, 9, 4, 100, 5, 6], [1, 2, 3, 4, 5, 6, 70]]).unsqueeze(0)
+    positions = torch.tensor([[3, 0, 9, 4, 100, 5, 6], [1, 2, 3, 4, 5, 6, newest]]).unsqueeze(0)
     cos, sin = llama.model.rotary_emb(keys, positions.view(2, 7))
     rotated = torch.stack(
         [apply_rotary_pos_emb(keys[:, h : h + 1], keys[:, h : h + 1], cos[h : h + 1], sin[h : h + 1])[1][0, 0]
