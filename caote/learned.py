@@ -12,7 +12,7 @@ block's mean and maximum attention (a decode step: those of the newest decoded q
 token's age and position, its value norm and CAOTE error, and its key with RoPE undone by position; a few squares and
 products let a linear map bend. Only the ranking inside one (layer, head, step) matters, so targets and features are
 demeaned per group when fitting, and no intercept is kept. Unlike every other base this one is not training-free: a
-model needs a predictor file (`Predictor`; the bundled model ships one).
+model needs a predictor file (`Predictor`; the bundled models ship one).
 
 Calibration evicts after prompt blocks only (teacher-forced texts), so the features of a decode step, whose
 "block" is the newest decoded queries and whose candidates are never new, are read with weights fitted on prompt
@@ -314,7 +314,8 @@ class Predictor:
                 return predictor
         raise ValueError(
             f"policy 'learned' needs a predictor calibrated for {name!r}: run `caote calibrate --model <model> --out "
-            "FILE` and pass predictor=FILE (--predictor FILE); only the bundled model ships one"
+            "FILE` and pass predictor=FILE (--predictor FILE); only the bundled models (smollm2-135m, gemma3-270m) "
+            "ship one"
         )
 
     def layer(self, index: int, unrotate: Callable | None, sink_tokens: int) -> LayerPredictor:

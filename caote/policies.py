@@ -236,7 +236,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             about=About(
                 "beyond the paper: each token's future attention predicted by a per-(layer, KV head) linear map of "
                 "causal features (attention so far, age, value, pre-RoPE key) fitted once per model to the "
-                "hindsight oracle; needs a calibrated predictor (`caote calibrate`; the bundled model ships one)",
+                "hindsight oracle; needs a calibrated predictor (`caote calibrate`; the bundled models ship one)",
                 "this library; distilled from the hindsight oracle, cf. KVzap (NVIDIA kvpress, 2025)",
                 paper_base="h2o",
             ),

@@ -30,14 +30,13 @@ def test_the_long_grid_runs_each_part_on_its_model_with_the_tail_scored_and_no_f
         assert niah.policies == ["full", "h2o", "h2o+caote", "tova+caote"] and niah.budgets == [256]
         assert niah.protocols == ["in-prompt"] and len(niah.depths) * niah.samples == 10
     assert configs["smollm2-code-4k"].benchmark == "perplexity-code" and "oracle" in configs["smollm2-code-4k"].policies
-    assert "learned+caote" not in configs["gemma3-essays-8k"].policies  # no predictor committed for Gemma-3
-    # 10 texts x (full + 8 policies x 2 budgets) per SmolLM2 part, 7 policies on Gemma-3
-    # NIAH: 10 examples x (full + 3 policies at one budget)
+    assert all("learned+caote" in configs[key].policies for key in texts)  # a predictor committed for each model
+    # 10 texts x (full + 8 policies x 2 budgets) per part; NIAH: 10 examples x (full + 3 policies at one budget)
     assert planned_rows(configs) == {
         "smollm2-essays-4k": 170,
         "smollm2-code-4k": 170,
         "smollm2-niah-4k": 40,
-        "gemma3-essays-8k": 150,
+        "gemma3-essays-8k": 170,
         "gemma3-niah-8k": 40,
     }
 
@@ -101,6 +100,12 @@ def test_gemma3_loads_offline_as_a_hybrid_model_whose_three_global_layers_evict(
     assert len(evicting) == 3 and all(layer.keys.shape[-2] == 256 for layer in evicting)
     sliding = [layer for layer in cache.layers if not isinstance(layer, EvictionLayer)]
     assert len(sliding) == 15 and all(isinstance(layer, DynamicSlidingWindowLayer) for layer in sliding)
+    learned = EvictionCache(model, budget=256, policy="learned+caote")  # the committed Gemma-3 predictor
+    assert learned.strategy.predictor.model == "gemma3-270m"
+    with learned, torch.no_grad():
+        for start in range(0, long.shape[1], 128):
+            model(input_ids=long[:, start : start + 128], cache=learned, use_cache=True)
+    assert all(layer.keys.shape[-2] == 256 for layer in learned.layers if isinstance(layer, EvictionLayer))
 
 
 def _text_rows(policy: str, budget, kls: list[float], model: str = "smollm2-135m") -> list[dict]:
