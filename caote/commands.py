@@ -172,6 +172,13 @@ def add_parser(subparsers) -> None:
         default="scalars,key",
         help="feature groups: scalars, key, value, comma-separated (default: %(default)s)",
     )
+    calibrate.add_argument(
+        "--rollout-predictor",
+        type=Path,
+        metavar="FILE",
+        help="evict the calibration passes by learned+caote with this predictor (an earlier round's, of the same "
+        "model and features) instead of H2O's mass: a second, on-policy round",
+    )
     calibrate.set_defaults(func=run_calibrate)
 
 
@@ -322,9 +329,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--texts '{args.texts}' is not a folder")
     if args.out.is_dir():
         raise UsageError(f"--out '{args.out}' is a directory; give a file path")
+    if args.rollout_predictor is not None and not args.rollout_predictor.is_file():
+        raise UsageError(f"--rollout-predictor '{args.rollout_predictor}' is not a file (write one with calibrate)")
     check_model(args.model)
     # start-up: calibration imports torch and transformers, which argument errors do not need
     from caote.evaluation.calibration import calibrate, calibration_texts, folder_texts, rollout_settings
+    from caote.learned import Predictor
     from caote.models import load_model
 
     try:
@@ -338,7 +348,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         texts = folder_texts(tokenizer, args.texts, args.length, args.count)
     else:
         texts = calibration_texts(tokenizer, args.domain, args.length, args.count)
-    predictor = calibrate(model, tokenizer, texts, budgets=tuple(budgets), groups=tuple(groups), model_name=args.model)
+    rollout = None if args.rollout_predictor is None else Predictor.load(args.rollout_predictor)
+    predictor = calibrate(
+        model, tokenizer, texts, tuple(budgets), tuple(groups), model_name=args.model, rollout=rollout
+    )
     path = predictor.save(args.out)
     details = predictor.details
     print(

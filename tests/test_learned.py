@@ -74,10 +74,35 @@ def test_rope_is_undone_by_position(llama, newest):
     assert torch.allclose(rotary_inverse(llama)(rotated, positions), keys, atol=1e-5)
 
 
+TINY_TEXTS = [Text(f"mine-{i}", 96, "x" * (i + 1), f"mine-{i}") for i in range(4)]
+
+
 def calibrated(model, tmp_path, groups=("scalars", "key")) -> str:
-    texts = [Text(f"mine-{i}", 96, "x" * (i + 1), f"mine-{i}") for i in range(4)]
-    predictor = calibrate(model, RandomIds(96), texts, budgets=(40,), groups=groups, block_size=32, progress=False)
+    predictor = calibrate(model, RandomIds(96), TINY_TEXTS, budgets=(40,), groups=groups, block_size=32, progress=False)
     return str(predictor.save(tmp_path / "tiny.safetensors"))
+
+
+def test_a_second_round_rolls_out_the_learned_policy_with_the_first_rounds_predictor(llama, tmp_path, monkeypatch):
+    from caote.evaluation.calibration import CollectingLayer
+
+    first = Predictor.load(calibrated(llama, tmp_path))
+    rankings, real_predict = [], CollectingLayer.predict
+
+    def spied(self, inputs):
+        ranking = real_predict(self, inputs)
+        mass = inputs.history[:, :, 0].view(*ranking.shape[:2], -1, ranking.shape[-1]).mean(2)
+        rankings.append(torch.allclose(ranking, torch.log(mass + 1e-6)))  # the first round's ranking: H2O's mass
+        return ranking
+
+    monkeypatch.setattr(CollectingLayer, "predict", spied)
+    second = calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, rollout=first)
+    assert rankings and not any(rankings)  # every pass ranked by the first predictor, not by H2O's mass
+    assert second.details["rolled_out_by"] == [first.texts] and not torch.allclose(second.weights, first.weights)
+    elsewhere = Predictor(second.weights, second.groups, "m", second.fingerprint, ["mine-9"], second.details)
+    with pytest.raises(ValueError, match="documents of 1 of the texts"):  # the first round's texts count too
+        check_disjoint(elsewhere, ["mine-0"])
+    with pytest.raises(ValueError, match="must be of this model and of the features scalars$"):
+        calibrate(llama, RandomIds(96), TINY_TEXTS, (40,), ("scalars",), block_size=32, progress=False, rollout=first)
 
 
 def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tmp_path):

@@ -4,10 +4,12 @@ For every calibration text, a full-cache pass records the attention each token r
 (`caote.future`); then the text is read again under an evicting cache at each calibration budget, whose every
 eviction hands the candidates' features (what the learned policy will see) and targets ``log(1e-6 + future mass)``
 to a `Collector`. The rollout evicts by CAOTE over the KV group's mean H2O mass (the predictor does not exist yet),
-so the features come from the kind of cache the policy will run in. Per (layer, KV head) the collector keeps only
-the normal equations of the rows demeaned within their (layer, head, eviction) group — ``X^T X``, ``X^T y``,
-``y^T y`` — so memory does not grow with the amount of text. The ridge strength of each head is the one with the
-smallest squared error on held-out texts (computed from their normal equations), and the final fit uses every text.
+so the features come from the kind of cache the policy will run in; a second round can roll out
+``learned+caote`` with the first round's predictor instead (``rollout``), so that they come from the policy's own
+kept sets. Per (layer, KV head) the collector keeps only the normal equations of the rows demeaned within their
+(layer, head, eviction) group — ``X^T X``, ``X^T y``, ``y^T y`` — so memory does not grow with the amount of text.
+The ridge strength of each head is the one with the smallest squared error on held-out texts (computed from their
+normal equations), and the final fit uses every text.
 
 Calibration texts are never evaluation texts: they come from the dev split (`check_calibration_texts`), and the
 evaluation asks `check_disjoint` before it runs a learned policy (no shared text, nor any excerpt of a shared
@@ -39,6 +41,7 @@ from caote.learned import (
     LayerPredictor,
     Predictor,
     feature_names,
+    linear_map,
     model_fingerprint,
     rotary_inverse,
 )
@@ -100,6 +103,7 @@ class Collector:
     sink_tokens: int
     part: str = "fit"
     equations: dict = field(default_factory=dict)  # (part, layer, head) -> NormalEquations
+    rollout: Predictor | None = None  # ranks the pass instead of H2O's mass (a second, on-policy round)
 
     def layer(self, index: int, unrotate, sink_tokens: int) -> CollectingLayer:
         return CollectingLayer(self, index, unrotate, sink_tokens)
@@ -139,6 +143,8 @@ class CollectingLayer(LayerPredictor):
         candidates = (positions >= self.sink_tokens) & (positions <= newest - self.collector.recent)
         target = torch.log(inputs.future.float() + EPSILON)
         self.collector.record(self.index, features, target, candidates)
+        if self.collector.rollout is not None:  # the learned policy itself, with the earlier round's predictor
+            return linear_map(features, self.collector.rollout.weights[self.index])
         history = inputs.history[:, :, 0]  # the rollout: the group's mean H2O mass
         kv_heads = inputs.values.shape[1]
         mass = history.view(history.shape[0], kv_heads, -1, history.shape[-1]).mean(2)
@@ -207,7 +213,8 @@ def documents_of(text_id: str, split: str) -> set[str]:
 def check_disjoint(predictor: Predictor, text_ids, split: str = "test") -> None:
     """Refuse to evaluate a learned policy on a text (of ``split``) drawing on a document (any excerpt, any length)
     its predictor was calibrated on."""
-    calibrated = {document_of(text_id) for text_id in predictor.texts}
+    earlier = [text_id for texts in predictor.details.get("rolled_out_by", []) for text_id in texts]
+    calibrated = {document_of(text_id) for text_id in [*predictor.texts, *earlier]}
     shared = sorted(text_id for text_id in text_ids if documents_of(text_id, split) & calibrated)
     if shared:
         raise ValueError(
@@ -235,11 +242,19 @@ def calibrate(
     block_size: int = DEFAULT_BLOCK_SIZE,
     progress: bool = True,
     model_name: str | None = None,
+    rollout: Predictor | None = None,
 ) -> Predictor:
     """Fit a `Predictor` for ``model`` on ``texts`` (`caote.evaluation.tasks.Text`, never a test-split text: see
     the module docstring), under rollouts at every budget of ``budgets``, protecting ``recent_window`` newest
-    tokens (a float: a share of the budget, as H2O)."""
+    tokens (a float: a share of the budget, as H2O). With ``rollout`` (an earlier round's predictor of the same
+    model and feature groups) the evicting passes run ``learned+caote`` with it, so the rows come from the kept
+    sets the policy itself leaves (a second round of on-policy distillation, as DAgger)."""
     check_calibration_texts(texts)
+    if rollout is not None and (rollout.fingerprint != model_fingerprint(model) or rollout.groups != tuple(groups)):
+        raise ValueError(
+            f"the rollout predictor was calibrated for {rollout.model!r} on features {','.join(rollout.groups)}: it "
+            f"must be of this model and of the features {','.join(groups)}"
+        )
     if "key" in groups:
         rotary_inverse(model)  # refuses a model without RoPE before any work
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -253,7 +268,7 @@ def calibrate(
         reference = reference_pass(model, ids, block_size, future=True, states=set())
         for budget in budgets:
             settings = rollout_settings(budget, recent_window, block_size)
-            collector = Collector(groups, width, settings.recent, settings.sink_tokens)
+            collector = Collector(groups, width, settings.recent, settings.sink_tokens, rollout=rollout)
             collector.part = "held_out" if number % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
             with ExitStack() as stack, torch.no_grad():
                 cache = stack.enter_context(EvictionCache(model, settings, future=reference.future, stand_in=collector))
@@ -262,10 +277,11 @@ def calibrate(
             collectors.append(collector)
             bar.update()
     bar.close()
-    return _fit(model, collectors, groups, width, texts, budgets, recent_window, began, model_name)
+    rolled_out = None if rollout is None else rollout.details.get("rolled_out_by", []) + [rollout.texts]
+    return _fit(model, collectors, groups, width, texts, budgets, recent_window, began, model_name, rolled_out)
 
 
-def _fit(model, collectors, groups, width, texts, budgets, recent_window, began, model_name) -> Predictor:
+def _fit(model, collectors, groups, width, texts, budgets, recent_window, began, model_name, rolled_out) -> Predictor:
     totals: dict = {}
     for collector in collectors:
         for key, equations in collector.equations.items():
@@ -311,5 +327,7 @@ def _fit(model, collectors, groups, width, texts, budgets, recent_window, began,
         "held_out_variance": sum(baseline_error) / max(len(baseline_error), 1),
         "seconds": round(time.perf_counter() - began, 1),
     }
+    if rolled_out is not None:  # the calibration texts of each earlier round whose predictor ranked the passes
+        details["rolled_out_by"] = rolled_out
     name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
     return Predictor(weights, tuple(groups), name, model_fingerprint(model), [text.id for text in texts], details)
