@@ -342,13 +342,22 @@ def run_calibrate(args: argparse.Namespace) -> int:
             rollout_settings(budget)
     except ValueError as error:
         raise UsageError(f"--budgets: {error}") from None
+    rollout = None
+    if args.rollout_predictor is not None:  # its file and features checked before the model loads too
+        try:
+            rollout = Predictor.load(args.rollout_predictor)
+        except ValueError as error:
+            raise UsageError(f"--rollout-predictor: {error}") from None
+        if set(rollout.groups) != set(groups):
+            raise UsageError(
+                f"--rollout-predictor has features {','.join(rollout.groups)}, not --features {','.join(groups)}"
+            )
     hide_loading_bars()
     model, tokenizer = load_model(args.model)
     if args.texts is not None:
         texts = folder_texts(tokenizer, args.texts, args.length, args.count)
     else:
         texts = calibration_texts(tokenizer, args.domain, args.length, args.count)
-    rollout = None if args.rollout_predictor is None else Predictor.load(args.rollout_predictor)
     predictor = calibrate(
         model, tokenizer, texts, tuple(budgets), tuple(groups), model_name=args.model, rollout=rollout
     )

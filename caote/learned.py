@@ -62,7 +62,7 @@ PRODUCTS = (("log_sum", "log_age"), ("log_block_mean", "log_age"), ("log_sum", "
             ("log_value_norm", "log_sum"))  # fmt: skip
 # feature groups (`caote.defaults.FEATURE_GROUPS`): the scalars with their squares and products; the pre-RoPE key and
 # its squares; the value vector
-PREDICTOR_DIR = Path(__file__).parent / "predictors"  # the committed predictors (bundled model)
+PREDICTOR_DIR = Path(__file__).parent / "predictors"  # the committed predictors (of the bundled models)
 
 
 def feature_names(groups: tuple[str, ...], head_dim: int) -> list[str]:
@@ -81,7 +81,10 @@ def _log(mass: torch.Tensor) -> torch.Tensor:
     return torch.log(mass.clamp_min(0.0) + EPSILON)
 
 
-_PRODUCT_COLUMNS = tuple(torch.tensor([SCALARS.index(pair[side]) for pair in PRODUCTS]) for side in (0, 1))
+@functools.lru_cache(maxsize=8)
+def _product_columns(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scalar columns multiplied in `PRODUCTS`: the first factors', the second factors' (made once per device)."""
+    return tuple(torch.tensor([SCALARS.index(pair[side]) for pair in PRODUCTS], device=device) for side in (0, 1))
 
 
 def scalar_features(inputs, sink_tokens: int) -> torch.Tensor:
@@ -89,7 +92,6 @@ def scalar_features(inputs, sink_tokens: int) -> torch.Tensor:
     the 11 continuous ones and the 4 products, each kind of operation applied to all its columns at once, every
     column a contiguous row of tokens (a decode step runs this for every held token)."""
     history = inputs.history.float()
-    batch, query_heads, _, tokens = history.shape
     kv_heads = inputs.values.shape[1]
     positions = inputs.positions
     newest = positions.amax(-1, keepdim=True)
@@ -98,10 +100,8 @@ def scalar_features(inputs, sink_tokens: int) -> torch.Tensor:
     # the KV group's mean of: the running sum, the block's sum and maximum, the recent rows' sum and maximum, the
     # newest row
     statistics = [history[:, :, :3], recent.sum(2, keepdim=True), recent.amax(2, keepdim=True), recent[:, :, -1:]]
-    rows = torch.cat(statistics, 2)
-    total, block_sum, block_max, recent_sum, recent_max, newest_row = (
-        rows.view(batch, kv_heads, query_heads // kv_heads, 6, tokens).mean(2).unbind(2)
-    )
+    rows = group_query_heads(torch.cat(statistics, 2), kv_heads).mean(2)
+    total, block_sum, block_max, recent_sum, recent_max, newest_row = rows.unbind(2)
     recent_mean = recent_sum / seen_by.clamp_max(recent.shape[2])
     if inputs.new_tokens > 1:  # a prompt block: its own mean and maximum over the queries that see the token
         block_mean = block_sum / seen_by.clamp_max(inputs.new_tokens)
@@ -118,7 +118,7 @@ def scalar_features(inputs, sink_tokens: int) -> torch.Tensor:
     counts = torch.log1p(torch.stack([newest - positions, positions], 2).clamp_min(0).float())  # age, position
     flags = torch.stack([positions > newest - inputs.new_tokens, positions < sink_tokens], 2).float()
     scalars = torch.cat([logged[:, :, :7], counts, logged[:, :, 7:], flags], 2)  # SCALARS order
-    first, second = (columns.to(scalars.device) for columns in _PRODUCT_COLUMNS)
+    first, second = _product_columns(scalars.device)
     products = scalars.index_select(2, first) * scalars.index_select(2, second)
     return torch.cat([scalars, scalars[:, :, : len(SQUARED)].square(), products], 2)
 
@@ -163,12 +163,13 @@ def rotary_inverse(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], t
     layer_type = (
         {"layer_type": "full_attention"} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
     )
-    scale = float(getattr(rotary, "attention_scaling", 1.0)) ** 2
+    scaling = getattr(rotary, "attention_scaling", 1.0)  # per layer type where the embedding has several
+    scale = float(getattr(rotary, "full_attention_attention_scaling", scaling) if layer_type else scaling) ** 2
     rope_type = getattr(rotary, "rope_type", "default")
     rope_type = rope_type.get("full_attention", "default") if isinstance(rope_type, dict) else rope_type
     # the angles of a position never change unless the embedding rescales with the length it has seen
     fixed = "dynamic" not in rope_type and rope_type != "longrope"
-    table: list[torch.Tensor] = []  # fixed: cos / scale and -sin / scale of positions 0, 1, ... (grown by doubling)
+    tables: dict = {}  # fixed: per device, cos / scale and -sin / scale of positions 0, 1, ... (grown by doubling)
 
     def angles(keys: torch.Tensor, positions: torch.Tensor):
         batch, heads, tokens, _ = keys.shape
@@ -180,10 +181,11 @@ def rotary_inverse(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], t
             cos, sin = angles(keys, positions)
             return cos / scale, -sin / scale
         needed = int(positions.max()) + 1
-        if not table or table[0].shape[0] < needed or table[0].device != keys.device:
-            length = max(needed, 2 * table[0].shape[0] if table else 1024)
+        table = tables.get(keys.device)
+        if table is None or table[0].shape[0] < needed:
+            length = max(needed, 1024 if table is None else 2 * table[0].shape[0])
             cos, sin = rotary(keys, torch.arange(length, device=keys.device).view(1, length), **layer_type)
-            table[:] = [cos[0].float() / scale, -sin[0].float() / scale]
+            table = tables[keys.device] = (cos[0].float() / scale, -sin[0].float() / scale)
         flat = positions.reshape(-1, positions.shape[-1])
         return table[0][flat], table[1][flat]
 
@@ -308,14 +310,14 @@ class Predictor:
                     f"calibrate one with: caote calibrate --model <this model> --out FILE"
                 )
             return predictor
-        for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors")):
-            predictor = cls.load(candidate)
+        committed = [cls.load(candidate) for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors"))]
+        for predictor in committed:
             if predictor.fingerprint == fingerprint:
                 return predictor
         raise ValueError(
             f"policy 'learned' needs a predictor calibrated for {name!r}: run `caote calibrate --model <model> --out "
-            "FILE` and pass predictor=FILE (--predictor FILE); only the bundled models (smollm2-135m, gemma3-270m) "
-            "ship one"
+            "FILE` and pass predictor=FILE (--predictor FILE); only "
+            f"{', '.join(predictor.model for predictor in committed) or 'no model'} ship one"
         )
 
     def layer(self, index: int, unrotate: Callable | None, sink_tokens: int) -> LayerPredictor:
@@ -327,10 +329,14 @@ def _read_predictor(path: str, version: tuple[int, int, int]) -> Predictor:
     return Predictor._read(path)
 
 
-def linear_map(features: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``(B, H_kv, N, F)`` features, ``(H_kv, F)`` weights -> ``(B, H_kv, N)``: each head's weights dotted with its
-    tokens' features (a product and a sum: fewer operators than a batched matrix product at these sizes)."""
-    return (features * weights.to(features.device).unsqueeze(1)).sum(-1)
+def linear_map(features: torch.Tensor, weights: torch.Tensor, feature_major: bool = False) -> torch.Tensor:
+    """``(B, H_kv, N, F)`` features (``feature_major``: ``(B, H_kv, F, N)``), ``(H_kv, F)`` weights -> ``(B, H_kv,
+    N)``: each head's weights dotted with its tokens' features (a product and a sum: fewer operators than a batched
+    matrix product at these sizes)."""
+    weights = weights.to(features.device)
+    if feature_major:
+        return (features * weights.unsqueeze(-1)).sum(2)
+    return (features * weights.unsqueeze(1)).sum(-1)
 
 
 class LayerPredictor:
@@ -358,7 +364,7 @@ class LayerPredictor:
         history, positions = layer.history, layer.positions
         group = history.shape[1] // positions.shape[1]
         missing = (history[:, ::group, KEY_TERM_POSITION] != positions + 1) & (positions >= 0)
-        least, most = (int(count) for count in torch.aminmax(missing.sum(-1)))
+        least, most = torch.stack(torch.aminmax(missing.sum(-1))).tolist()  # one read back
         if most == 0:
             return
         if least == most:  # as many in every KV head (a prompt block, a decode step): just those
@@ -368,8 +374,7 @@ class LayerPredictor:
         held = positions.gather(2, slots)
         keys = layer.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]))
         key = self.unrotate(keys.float(), held.clamp_min(0))
-        weights = self.weights[:, self._key_columns(key.shape[-1])].to(key.device)
-        term = torch.einsum("bhkf,hf->bhk", torch.cat([key, key.square()], dim=-1), weights)
+        term = linear_map(torch.cat([key, key.square()], dim=-1), self.weights[:, self._key_columns(key.shape[-1])])
         index = slots.repeat_interleave(group, dim=1)
         history[:, :, KEY_TERM].scatter_(-1, index, term.repeat_interleave(group, dim=1).to(history.dtype))
         remembered = (held + 1).repeat_interleave(group, dim=1).to(history.dtype)
@@ -392,7 +397,7 @@ class LayerPredictor:
         columns = self._key_columns(inputs.keys.shape[-1])
         weights = torch.cat([self.weights[:, : columns.start], self.weights[:, columns.stop :]], dim=-1)
         features = rows[0] if len(rows) == 1 else torch.cat(rows, 2)  # (B, H_kv, F, N): a contiguous row per feature
-        return (features * weights.to(features.device).unsqueeze(-1)).sum(2) + remembered
+        return linear_map(features, weights, feature_major=True) + remembered
 
 
 def learned_score(inputs) -> torch.Tensor:

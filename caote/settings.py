@@ -71,7 +71,7 @@ class CacheSettings:
         Seed of the ``random`` policy (its numbers are drawn on the CPU, whatever device each layer is on).
     predictor:
         A predictor file written by ``caote calibrate``, read by the ``learned`` policies only (`caote.learned`);
-        None: the predictor committed for the model (the bundled model has one).
+        None: the predictor committed for the model (each bundled model has one).
     decode_eviction_interval:
         Decoding evicts one token per step by default (1). With ``k > 1`` a step with one new token that overflows
         the budget evicts ``k`` tokens at once, so scoring runs every ``k`` steps; the cache then holds between

@@ -20,6 +20,7 @@ import pytest
 from caote import generate as caote_generate
 from caote.cli import build_parser, main
 from caote.commands import policy_table
+from caote.learned import PREDICTOR_DIR
 from caote.models import bundled_gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -462,6 +463,17 @@ def test_bad_calibrate_options_exit_2_before_loading_the_model(capsys, no_model_
     code, out, err = run_main(capsys, "calibrate", *args)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith(f"caote calibrate: error: {message}"), err
+
+
+def test_a_damaged_or_mismatched_rollout_predictor_exits_2_before_loading_the_model(capsys, no_model_load, tmp_path):
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(b"not a predictor")
+    code, _, err = run_main(capsys, "calibrate", "--out", "p.safetensors", "--rollout-predictor", str(damaged))
+    assert code == 2 and err.count("\n") == 1 and "--rollout-predictor: cannot read predictor" in err
+    committed = sorted(PREDICTOR_DIR.glob("*.safetensors"))[0]  # features scalars,key
+    code, _, err = run_main(capsys, "calibrate", "--out", "p.safetensors", "--rollout-predictor", str(committed),
+                            "--features", "scalars")  # fmt: skip
+    assert code == 2 and "has features scalars,key, not --features scalars" in err
 
 
 def test_generate_refuses_a_missing_predictor_file_before_loading(capsys, no_model_load):

@@ -49,7 +49,8 @@ from caote.settings import CacheSettings
 
 RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 HELD_OUT_EVERY = 4  # every 4th calibration text chooses the ridge strengths
-ROLLOUT = "learned+caote"  # with the collector standing in for the predictor: CAOTE over the group's H2O mass
+# with the collector standing in for the predictor: CAOTE over the group's H2O mass, or over a rollout predictor's
+ROLLOUT = "learned+caote"
 
 
 @dataclass
@@ -95,7 +96,8 @@ class NormalEquations:
 @dataclass
 class Collector:
     """Stands in for a predictor during calibration: at each eviction it records every candidate's features and
-    target (`NormalEquations` per part, layer and KV head) and ranks by the KV group's mean H2O mass."""
+    target (`NormalEquations` per part, layer and KV head) and ranks by the KV group's mean H2O mass, or by the
+    ``rollout`` predictor's prediction."""
 
     groups: tuple[str, ...]
     width: int
@@ -248,9 +250,11 @@ def calibrate(
     the module docstring), under rollouts at every budget of ``budgets``, protecting ``recent_window`` newest
     tokens (a float: a share of the budget, as H2O). With ``rollout`` (an earlier round's predictor of the same
     model and feature groups) the evicting passes run ``learned+caote`` with it, so the rows come from the kept
-    sets the policy itself leaves (a second round of on-policy distillation, as DAgger)."""
+    sets the policy itself leaves (a second round of on-policy distillation, DAgger-like but fitted on this round's
+    rows only). The held-out texts choosing the ridge strengths were then evicted by a predictor that saw them in
+    its own fit: a slightly optimistic choice."""
     check_calibration_texts(texts)
-    if rollout is not None and (rollout.fingerprint != model_fingerprint(model) or rollout.groups != tuple(groups)):
+    if rollout is not None and (rollout.fingerprint != model_fingerprint(model) or set(rollout.groups) != set(groups)):
         raise ValueError(
             f"the rollout predictor was calibrated for {rollout.model!r} on features {','.join(rollout.groups)}: it "
             f"must be of this model and of the features {','.join(groups)}"
