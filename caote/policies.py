@@ -26,7 +26,7 @@ from caote.learned import LEARNED_RECENT, RECENT_ROWS, learned_score
 class ScoreInputs:
     """Everything a base score may read for one layer at one step (all tensors cover retained + new tokens)."""
 
-    keys: torch.Tensor  # (B, H_kv, N, d)
+    keys: torch.Tensor | None  # (B, H_kv, N, d); None where the base does not read them (`BaseScore.reads_keys`)
     values: torch.Tensor  # (B, H_kv, N, d)
     positions: torch.Tensor  # (B, H_kv, N) absolute positions, -1 for padding
     real: torch.Tensor | None  # (B, H_kv, N) bool, False for padding (takes no part in any score); None: no padding
@@ -70,6 +70,7 @@ class BaseScore:
     split).
     ``layer_wide``: one decision for the whole layer (every KV head keeps the same tokens), as the original TOVA.
     ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
+    ``reads_keys``: the score reads the keys (a decode step's layers scored together stack them only then).
     ``ordered``: the score depends on the tokens' order (SnapKV's pooling and window, the random draws), so a layer
     decoding in place hands it the slots sorted by position.
     """
@@ -87,6 +88,7 @@ class BaseScore:
     recent_window: int | float = 1
     layer_wide: bool = False
     rank_only: bool = False
+    reads_keys: bool = False
     ordered: bool = False
 
     def __post_init__(self):
@@ -176,17 +178,20 @@ BASE_SCORES: dict[str, BaseScore] = {
             score=lambda x: scoring.keydiff_score(x.keys, x.real),
             about=About("negative cosine similarity of each key to the mean key", "Park et al. 2025, arXiv 2504.15364"),
             signed=True,
+            reads_keys=True,
         ),
         BaseScore(
             name="knorm",
             score=lambda x: scoring.knorm_score(x.keys),
             about=About("negative L2 norm of each key", "Devoto et al. 2024, arXiv 2406.11430"),
             signed=True,
+            reads_keys=True,
         ),
         BaseScore(
             name="random",
             score=lambda x: scoring.random_score(x.keys, x.random() if x.random is not None else None),
             about=About("uniformly random scores (a floor to beat)", "-"),
+            reads_keys=True,  # for their shape and device
             ordered=True,  # one draw per token in position order, whatever slot holds it
         ),
         BaseScore(
@@ -242,6 +247,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             ),
             history=SumAndRecent(RECENT_ROWS),
             schedule="learned",
+            reads_keys=True,
             recent_window=LEARNED_RECENT,
         ),
         BaseScore(

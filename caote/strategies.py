@@ -21,6 +21,7 @@ from torch import nn
 from caote.attention import attention_probabilities
 from caote.future import FutureAttention
 from caote.history import KEY_TERM_POSITION
+from caote.layer import EvictionLayer, evict_together
 from caote.learned import Predictor, rotary_inverse
 from caote.lookahead import draft
 
@@ -39,18 +40,26 @@ class CacheContext:
 
 class Immediate:
     """Evict a layer as soon as its attention has run and it holds more than the budget; decode steps write in
-    place (`caote.layer.EvictionLayer`)."""
+    place (`caote.layer.EvictionLayer`), and the layers of a decode step in place are evicted together when the
+    forward ends (`caote.layer.evict_together`: nothing reads a layer's cache between its attention and the next
+    step, so waiting changes nothing but the number of operators)."""
 
     decodes_in_place = True
+    evicts_together = True
 
     def __init__(self, settings, context: CacheContext):
         self.settings = settings
+        self._waiting: list[tuple[int, EvictionLayer]] = []  # a decode step's layers, evicted in `after_forward`
 
     def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None):
         """Record the rows the base reads (``rows``: the call's own, when caote computed its attention), then evict
-        if the layer overflows: to ``budget`` after a prompt block, ``budget - interval + 1`` after a decode step."""
+        if the layer overflows: to ``budget`` after a prompt block, ``budget - interval + 1`` after a decode step
+        (a decode step in place: at the end of the forward, with the step's other layers)."""
         layer.record(module, queries, mask, kwargs, real, rows)
         if layer.retained > self.settings.budget:
+            if self.evicts_together and layer.in_place and layer.new_tokens == 1:
+                self._waiting.append((index, layer))
+                return
             kept = self.settings.kept_after(layer.new_tokens)
             layer.evict(kept, cache.random_generator, **self.inputs(index, layer))
 
@@ -59,8 +68,14 @@ class Immediate:
         return {}
 
     def after_forward(self, cache, model: nn.Module, output, kwargs: dict) -> list[int]:
-        """Nothing waits for the end of a forward: no layer evicted here."""
-        return []
+        """Evict the decode step's waiting layers together; ``output`` is None when the forward raised (nothing is
+        evicted then: a layer left without a free slot returns to arrival order at its next forward). Returns the
+        layers evicted."""
+        waiting, self._waiting = self._waiting, []
+        if not waiting or output is None:
+            return []
+        evict_together([layer for _, layer in waiting], self.settings.kept_after(1), cache.random_generator)
+        return [index for index, _ in waiting]
 
     def restored(self, layers: list) -> None:
         """The cache returned to a snapshot (maybe of another cache): nothing of the strategy's own to redo."""
@@ -157,7 +172,10 @@ class LookAhead(Immediate):
 class Learned(Immediate):
     """`Immediate`, with each layer's slice of the model's importance predictor as the ``predictor`` score input:
     the file ``settings.predictor`` names, or the committed one for the model (`caote.learned.Predictor.for_model`),
-    or the context's stand-in (calibration: it also gets the oracle's ``future``, its targets)."""
+    or the context's stand-in (calibration: it also gets the oracle's ``future``, its targets). Each layer has its
+    own predictor, so its decode steps are evicted one layer at a time."""
+
+    evicts_together = False
 
     def __init__(self, settings, context: CacheContext):
         super().__init__(settings, context)

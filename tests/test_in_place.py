@@ -10,8 +10,9 @@ import torch
 from conftest import prompt_then_step, random_ids, tiny_model
 
 from caote.cache import EvictionCache
-from caote.layer import FREE, EvictionLayer
-from caote.policies import policy_names
+from caote.layer import FREE, EvictionLayer, evict_together
+from caote.policies import Policy, policy_names
+from caote.strategies import Immediate
 
 BUDGET, BLOCK = 40, 16
 CAUSAL = [name for name in policy_names() if name != "full"]
@@ -264,3 +265,87 @@ def test_in_bfloat16_the_model_s_kernel_keeps_the_output_so_the_slots_match_arri
         want = decode(model, reference, ids, 12)
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)  # the slots' order changes bfloat16's sums only
     assert all(torch.equal(a, b) for a, b in zip(kept(slots), kept(reference)))
+
+
+def one_at_a_time(cache: EvictionCache) -> EvictionCache:
+    """``cache`` evicting each layer of a decode step right after its attention: the reference for scoring them
+    together at the end of the forward."""
+    cache.strategy.evicts_together = False
+    return cache
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+@pytest.mark.parametrize(
+    "policy",
+    ["h2o+caote", "tova+caote", "snapkv+caote", "knorm+caote", "random", "tova-layer+fastcaote", "caote-block"],
+)
+def test_a_decode_step_scores_its_layers_together_as_they_would_be_one_at_a_time(policy, interval, monkeypatch):
+    model = tiny_model("qwen3")
+    ids = random_ids(3 * BLOCK, batch=2, seed=21)
+    mask = torch.ones_like(ids)
+    mask[1, :12] = 0  # padding slots outlive the prefill, so every base scores (streamingllm included)
+    settings = dict(budget=BUDGET, policy=policy, block_size=BLOCK, decode_eviction_interval=interval)
+    calls = {"scores": 0}
+    scores = Policy.scores
+
+    def counted(self, *args, **kwargs):
+        calls["scores"] += 1
+        return scores(self, *args, **kwargs)
+
+    monkeypatch.setattr(Policy, "scores", counted)
+    with EvictionCache(model, **settings) as together:
+        got = decode(model, together, ids, 9, attention_mask=mask)
+    scored_together, calls["scores"] = calls["scores"], 0
+    with one_at_a_time(EvictionCache(model, **settings)) as alone:
+        want = decode(model, alone, ids, 9, attention_mask=mask)
+    assert torch.equal(got, want)  # the same tokens kept, so the same arithmetic to the bit
+    assert all(torch.equal(a, b) for a, b in zip(kept(together), kept(alone)))
+    evicting_steps = 9 if interval == 1 else 3
+    assert calls["scores"] - scored_together == evicting_steps * (len(together.layers) - 1)
+
+
+def waiting_layers(model, ids, monkeypatch) -> list[EvictionLayer]:
+    """The layers of a decode step after their attention, each holding one token over the budget: the step's
+    end-of-forward eviction is held back."""
+    held = []
+
+    def hold(self, cache, model, output, kwargs):
+        held.extend(layer for _, layer in self._waiting)
+        self._waiting = []
+        return []
+
+    cache = EvictionCache(model, budget=BUDGET, policy="h2o+caote", block_size=BLOCK)
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(Immediate, "after_forward", hold)
+        prompt_then_step(model, cache, ids, BLOCK)
+    cache.close()
+    assert len(held) == len(cache.layers) and all(layer.retained == BUDGET + 1 for layer in held)
+    return held
+
+
+def test_layers_of_unequal_shapes_are_scored_in_separate_stacks(monkeypatch):
+    model = tiny_model("llama")
+    one = waiting_layers(model, random_ids(3 * BLOCK, seed=22), monkeypatch)
+    two = waiting_layers(model, random_ids(3 * BLOCK, batch=2, seed=23), monkeypatch)
+    reference = [layer.detached_copy() for layer in one + two]
+    evict_together(one + two, BUDGET, lambda: None)  # batch 1 and batch 2: two stacks
+    evict_together(reference[: len(one)], BUDGET, lambda: None)
+    evict_together(reference[len(one) :], BUDGET, lambda: None)
+    for layer, alone in zip(one + two, reference):
+        assert layer.retained == BUDGET and torch.equal(layer.positions, alone.positions)
+        assert torch.equal(layer.free, alone.free) and torch.equal(layer.history, alone.history)
+
+
+def test_a_forward_that_raises_after_every_attention_evicts_nothing_and_decoding_recovers():
+    model = tiny_model("llama")
+    cache = EvictionCache(model, budget=BUDGET, policy="h2o+caote", block_size=BLOCK)
+    norm = model.get_decoder().norm
+    with cache:
+        decode(model, cache, random_ids(3 * BLOCK, seed=24), 2)
+        handle = norm.register_forward_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("interrupted")))
+        with pytest.raises(RuntimeError, match="interrupted"):
+            decode_steps(model, cache, 1)
+        handle.remove()
+        assert all(layer.retained == BUDGET + 1 and layer.free.shape[-1] == 0 for layer in cache.layers)
+        decode_steps(model, cache, 2)
+        assert all(layer.retained == BUDGET for layer in cache.layers)

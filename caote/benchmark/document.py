@@ -104,16 +104,20 @@ def markdown_report(document: dict) -> str:
             "",
             f"ATen operators (views included, a `TorchDispatchMode`) of one decode step evicting one token after a "
             f"{operators['prompt_tokens']}-token prompt, beside full@b (whose layer runs "
-            f"{counts[FULL_AT_BUDGET]['per_layer']:.0f}): what one evicting layer adds (median over the "
-            f"{operators['evicting_layers']} evicting layers), and what the forward adds once. The count does not "
-            "depend on the machine's load.",
+            f"{counts[FULL_AT_BUDGET]['per_layer']:.0f}): what the step adds per evicting layer (over the "
+            f"{operators['evicting_layers']} evicting layers, the work they share included), what one layer's "
+            "attention adds (the median) and what the forward adds once (the shared positions, the eviction of a "
+            "decode step's layers together). The count does not depend on the machine's load.",
             "",
-            "| configuration | extra per evicting layer | extra per forward |",
-            "|---|---|---|",
+            "| configuration | extra per evicting layer | in a layer | per forward |",
+            "|---|---|---|---|",
         ]
         for name, entry in counts.items():
             if name != FULL_AT_BUDGET:
-                lines.append(f"| {name} | {entry['extra_per_layer']:.1f} | {entry['extra_per_forward']:.1f} |")
+                lines.append(
+                    f"| {name} | {entry['extra_per_layer']:.1f} | {entry['extra_in_layer']:.1f} "
+                    f"| {entry['extra_per_forward']:.1f} |"
+                )
         lines.append("")
     lines += [
         f"## Targets: {summary['targets_met']} of {summary['targets_total']} met",

@@ -1,12 +1,13 @@
 """ATen operators of one decode step, counted with a `TorchDispatchMode` (views included): what a bounded cache adds
-to each evicting layer, beside a full cache holding the same number of tokens.
+per evicting layer, beside a full cache holding the same number of tokens.
 
 On a CPU, and on an accelerator where each operator is a kernel launch, a decode step of a small model costs about
 its operator count; the count does not depend on the machine's load, so it is measured once per run, not per round.
 Counted on the CPU, one token evicted per step (``decode_eviction_interval=1``, the scored step). An operator is
 counted inside a layer while that decoder layer's attention module runs (projections, rotary
-embedding, the cache update, attention and the eviction); the rest of the forward (embeddings, masks, the
-positions worked out once per forward, the MLPs) is counted apart, per forward.
+embedding, the cache update, attention and, for a layer evicted alone, its eviction); the rest of the forward
+(embeddings, masks, the positions worked out once per forward, the MLPs, the end-of-forward eviction of a decode
+step's layers together) is counted apart, per forward; the count per evicting layer spreads it over them.
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ def evicting_layers(model, budget: int, block: int) -> list[int]:
 
 
 def operator_counts(model, ids: torch.Tensor, policies, budget: int, block: int) -> dict:
-    """Per policy: the operators an evicting layer adds to a decode step over ``full@b``'s (the median over the
-    evicting layers: the first one also works out what the forward's layers share, counted in
-    ``extra_per_forward`` with everything else the step adds outside the layers' own work), counted after a
-    prefill of ``ids`` (at least ``budget + 1`` tokens, so that every step evicts)."""
+    """Per policy: the operators a decode step adds over ``full@b``'s, per evicting layer (``extra_per_layer``:
+    everything the step adds, the work the layers share included, divided by the evicting layers), split into what
+    one layer's attention adds (``extra_in_layer``, the median over the evicting layers) and what the forward adds
+    once (``extra_per_forward``: the positions every layer shares, the end-of-forward eviction of the step's layers
+    together), counted after a prefill of ``ids`` (at least ``budget + 1`` tokens, so that every step evicts)."""
     layers = evicting_layers(model, budget, block)
     full = decode_step_operators(model, ids, FULL_AT_BUDGET, budget, block)
     full_layer = statistics.median(full["per_layer"][index] for index in layers)
@@ -114,15 +116,14 @@ def operator_counts(model, ids: torch.Tensor, policies, budget: int, block: int)
     full_total = sum(full["per_layer"]) + full["per_forward"]
     for policy in policies:
         measured = decode_step_operators(model, ids, policy, budget, block)
-        extra = statistics.median(measured["per_layer"][index] for index in layers) - full_layer
+        in_layer = statistics.median(measured["per_layer"][index] for index in layers) - full_layer
+        step = sum(measured["per_layer"]) + measured["per_forward"] - full_total
         names = Counter(measured["names"])
         names.subtract(full["names"])
         counts[policy] = {
-            "extra_per_layer": extra,
-            "extra_per_forward": sum(measured["per_layer"])
-            + measured["per_forward"]
-            - full_total
-            - extra * len(layers),
+            "extra_per_layer": step / len(layers),
+            "extra_in_layer": in_layer,
+            "extra_per_forward": step - in_layer * len(layers),
             # the step's extra operators by name, over the whole forward, per evicting layer
             "extra_by_name": {name: n / len(layers) for name, n in sorted(names.items()) if n},
         }
