@@ -387,18 +387,24 @@ class EvictionLayer(DynamicLayer):
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _refuse
 
 
-def evict_together(layers: list[EvictionLayer], kept: int, random: Callable[[], torch.Generator]) -> None:
-    """Evict the ``layers`` of one decode step, each decoding in place and holding more than ``kept`` tokens, as
-    one: every group of equal `EvictionLayer.stack_key` is scored as a single stack of its layers' batch rows
-    (`EvictionLayer.stacked`), so the ~35 operators of a scored step run once per step instead of once per layer,
-    and each layer frees its own rows' slots. The same arithmetic row by row as evicting them one at a time (and the
-    same draws of the random base, taken in layer order)."""
-    groups: dict[tuple, list[EvictionLayer]] = {}
-    for layer in layers:
-        groups.setdefault(layer.stack_key, []).append(layer)
+def evict_together(
+    layers: dict[int, EvictionLayer],
+    kept: int,
+    random: Callable[[], torch.Generator],
+    inputs: Callable[[dict[int, EvictionLayer]], dict] = lambda stack: {},
+) -> None:
+    """Evict the ``layers`` (by layer index) of one decode step, each decoding in place and holding more than
+    ``kept`` tokens, as one: every group of equal `EvictionLayer.stack_key` is scored as a single stack of its
+    layers' batch rows (`EvictionLayer.stacked`), so the ~35 operators of a scored step run once per step instead of
+    once per layer, and each layer frees its own rows' slots. ``inputs`` gives a stack's extra `ScoreInputs` from its
+    layers (the learned policy's predictor of those layers). The same arithmetic row by row as evicting them one at
+    a time (and the same draws of the random base, taken in layer order)."""
+    groups: dict[tuple, dict[int, EvictionLayer]] = {}
+    for index, layer in layers.items():
+        groups.setdefault(layer.stack_key, {})[index] = layer
     for group in groups.values():
-        first = group[0]
-        stack = EvictionLayer.stacked(group, first.settings.policy.base.reads_keys)
-        slots = stack.slots_to_free(first.retained - kept, random, {})
-        for layer, own in zip(group, slots.split(first.positions.shape[0])):
+        first, extra = next(iter(group.values())), inputs(group)  # before stacking: it may write the layers
+        stack = EvictionLayer.stacked(list(group.values()), first.settings.policy.base.reads_keys)
+        slots = stack.slots_to_free(first.retained - kept, random, extra)
+        for layer, own in zip(group.values(), slots.split(first.positions.shape[0])):
             layer._free_slots(own)

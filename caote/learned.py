@@ -323,6 +323,12 @@ class Predictor:
     def layer(self, index: int, unrotate: Callable | None, sink_tokens: int) -> LayerPredictor:
         return LayerPredictor(self.weights[index], self.groups, unrotate, sink_tokens)
 
+    def stacked(self, layers: list[int], batch: int, unrotate: Callable | None, sink_tokens: int) -> LayerPredictor:
+        """The predictor of a stack of ``layers``' batch rows (``batch`` each, in order: `caote.layer.evict_together`):
+        weights ``(len(layers) * batch, H_kv, F)``, each row its layer's."""
+        weights = self.weights[torch.tensor(layers)].repeat_interleave(batch, dim=0)
+        return LayerPredictor(weights, self.groups, unrotate, sink_tokens)
+
 
 @functools.lru_cache(maxsize=16)
 def _read_predictor(path: str, version: tuple[int, int, int]) -> Predictor:
@@ -330,17 +336,18 @@ def _read_predictor(path: str, version: tuple[int, int, int]) -> Predictor:
 
 
 def linear_map(features: torch.Tensor, weights: torch.Tensor, feature_major: bool = False) -> torch.Tensor:
-    """``(B, H_kv, N, F)`` features (``feature_major``: ``(B, H_kv, F, N)``), ``(H_kv, F)`` weights -> ``(B, H_kv,
-    N)``: each head's weights dotted with its tokens' features (a product and a sum: fewer operators than a batched
-    matrix product at these sizes)."""
+    """``(B, H_kv, N, F)`` features (``feature_major``: ``(B, H_kv, F, N)``), ``(H_kv, F)`` weights (or ``(B, H_kv,
+    F)``: a stack of layers, `Predictor.stacked`) -> ``(B, H_kv, N)``: each head's weights dotted with its tokens'
+    features (a product and a sum: fewer operators than a batched matrix product at these sizes)."""
     weights = weights.to(features.device)
     if feature_major:
-        return (features * weights.unsqueeze(-1)).sum(2)
-    return (features * weights.unsqueeze(1)).sum(-1)
+        return (features * weights.unsqueeze(-1)).sum(-2)
+    return (features * weights.unsqueeze(-2)).sum(-1)
 
 
 class LayerPredictor:
-    """One layer's map from features to predicted log future mass: ``(B, H_kv, N, F) @ (H_kv, F)``.
+    """One layer's map from features to predicted log future mass: ``(B, H_kv, N, F) @ (H_kv, F)`` (or a stack of
+    layers' with weights ``(B, H_kv, F)``, `Predictor.stacked`: it predicts, the layers remember their own keys).
 
     The key's part of the sum, ``w_key . [k_j, k_j^2]`` with RoPE undone, never changes for a token, so it is
     computed once per token (`remember_keys`) and kept in the layer's history; a step computes the other columns."""
@@ -394,8 +401,8 @@ class LayerPredictor:
             rows.append(inputs.values.float().transpose(-1, -2))
         if not rows:  # a predictor of the key alone
             return remembered
-        columns = self._key_columns(inputs.keys.shape[-1])
-        weights = torch.cat([self.weights[:, : columns.start], self.weights[:, columns.stop :]], dim=-1)
+        columns = self._key_columns(inputs.values.shape[-1])  # keys and values share the head size
+        weights = torch.cat([self.weights[..., : columns.start], self.weights[..., columns.stop :]], dim=-1)
         features = rows[0] if len(rows) == 1 else torch.cat(rows, 2)  # (B, H_kv, F, N): a contiguous row per feature
         return linear_map(features, weights, feature_major=True) + remembered
 

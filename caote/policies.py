@@ -247,7 +247,6 @@ BASE_SCORES: dict[str, BaseScore] = {
             ),
             history=SumAndRecent(RECENT_ROWS),
             schedule="learned",
-            reads_keys=True,
             recent_window=LEARNED_RECENT,
         ),
         BaseScore(

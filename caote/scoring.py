@@ -58,10 +58,23 @@ def eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Te
     `heaviest_token_error`'s stable form."""
     if values.dim() < weights.dim() + 1:  # leading axes the broadcast would add
         values = values[(None,) * (weights.dim() + 1 - values.dim())]
-    distance = torch.linalg.vector_norm(output.unsqueeze(-2) - values, dim=-1)
+    distance = distances(output, values)
     if not may_hold_heavy_token(weights):  # every 1 - w_j >= 1/2: the formula as written, no clamp needed
         return weights / (1.0 - weights) * distance
     return heaviest_token_error(weights / (1.0 - weights).clamp_min(0.5) * distance, weights, values)
+
+
+def distances(output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``||output - v_j||_2`` for every token j: ``output`` ``(..., d)``, ``values`` ``(..., N, d)`` with as many
+    axes plus one, broadcast against it -> ``(..., N)``. One `torch.cdist` in its direct mode (the difference is
+    squared and summed per pair, never held as a ``(..., N, d)`` tensor, nor expanded into matrix products); a KV
+    group's outputs ``(..., g, d)`` over its shared values ``(..., 1, N, d)`` are its rows, the values not copied."""
+    if values.dim() >= 3 and values.shape[-3] == 1 and output.dim() == values.dim() - 1:
+        rows, others = output, values.squeeze(-3)
+    else:
+        rows, others = output.unsqueeze(-2), values
+    distance = torch.cdist(rows, others, compute_mode="donot_use_mm_for_euclid_dist")
+    return distance if rows is output else distance.squeeze(-2)
 
 
 def may_hold_heavy_token(weights: torch.Tensor) -> bool:

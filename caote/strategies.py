@@ -49,7 +49,7 @@ class Immediate:
 
     def __init__(self, settings, context: CacheContext):
         self.settings = settings
-        self._waiting: list[tuple[int, EvictionLayer]] = []  # a decode step's layers, evicted in `after_forward`
+        self._waiting: dict[int, EvictionLayer] = {}  # a decode step's layers by index, evicted in `after_forward`
 
     def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None):
         """Record the rows the base reads (``rows``: the call's own, when caote computed its attention), then evict
@@ -58,7 +58,7 @@ class Immediate:
         layer.record(module, queries, mask, kwargs, real, rows)
         if layer.retained > self.settings.budget:
             if self.evicts_together and layer.in_place and layer.new_tokens == 1:
-                self._waiting.append((index, layer))
+                self._waiting[index] = layer
                 return
             kept = self.settings.kept_after(layer.new_tokens)
             layer.evict(kept, cache.random_generator, **self.inputs(index, layer))
@@ -71,11 +71,15 @@ class Immediate:
         """Evict the decode step's waiting layers together; ``output`` is None when the forward raised (nothing is
         evicted then: a layer left without a free slot returns to arrival order at its next forward). Returns the
         layers evicted."""
-        waiting, self._waiting = self._waiting, []
+        waiting, self._waiting = self._waiting, {}
         if not waiting or output is None:
             return []
-        evict_together([layer for _, layer in waiting], self.settings.kept_after(1), cache.random_generator)
-        return [index for index, _ in waiting]
+        evict_together(waiting, self.settings.kept_after(1), cache.random_generator, self.stack_inputs)
+        return list(waiting)
+
+    def stack_inputs(self, layers: dict[int, EvictionLayer]) -> dict:
+        """The extra `ScoreInputs` of ``layers`` (by index) scored together as one stack: none."""
+        return {}
 
     def restored(self, layers: list) -> None:
         """The cache returned to a snapshot (maybe of another cache): nothing of the strategy's own to redo."""
@@ -172,10 +176,9 @@ class LookAhead(Immediate):
 class Learned(Immediate):
     """`Immediate`, with each layer's slice of the model's importance predictor as the ``predictor`` score input:
     the file ``settings.predictor`` names, or the committed one for the model (`caote.learned.Predictor.for_model`),
-    or the context's stand-in (calibration: it also gets the oracle's ``future``, its targets). Each layer has its
-    own predictor, so its decode steps are evicted one layer at a time."""
-
-    evicts_together = False
+    or the context's stand-in (calibration: it also gets the oracle's ``future``, its targets). A decode step's
+    layers are scored together with their predictors stacked (`stack_inputs`); calibration's stand-in records each
+    layer's features and targets on its own, so there each layer is evicted alone."""
 
     def __init__(self, settings, context: CacheContext):
         super().__init__(settings, context)
@@ -183,6 +186,7 @@ class Learned(Immediate):
         predictor = context.stand_in if stand_in else Predictor.for_model(context.model, settings.predictor)
         self.unrotate = rotary_inverse(context.model) if "key" in predictor.groups else None
         self.predictor, self.future = predictor, context.future if stand_in else None
+        self.evicts_together = not stand_in
 
     def restored(self, layers: list) -> None:
         """A snapshot may come from a cache with another predictor: its layers' remembered key terms are computed
@@ -199,6 +203,14 @@ class Learned(Immediate):
         if self.future is not None:  # calibration: the targets the stand-in records
             inputs["future"] = self.future.at(index, layer.cumulative_length, layer.positions)
         return inputs
+
+    def stack_inputs(self, layers: dict) -> dict:
+        """The key terms of each layer's new tokens remembered, then one predictor whose rows are the layers'
+        (`caote.learned.Predictor.stacked`)."""
+        for index, layer in layers.items():
+            self.predictor.layer(index, self.unrotate, self.settings.sink_tokens).remember_keys(layer)
+        batch = next(iter(layers.values())).positions.shape[0]
+        return {"predictor": self.predictor.stacked(list(layers), batch, self.unrotate, self.settings.sink_tokens)}
 
 
 STRATEGIES = {"immediate": Immediate, "hindsight": Hindsight, "lookahead": LookAhead, "learned": Learned}

@@ -18,6 +18,7 @@ from caote.evaluation.calibration import (
 )
 from caote.evaluation.tasks import Text
 from caote.history import RECENT_START, AttentionSum, RecentRows, SumAndRecent
+from caote.layer import EvictionLayer
 from caote.learned import PREDICTOR_DIR, Predictor, feature_names, model_fingerprint, rotary_inverse
 from caote.policies import parse_policy, policy_names
 from caote.settings import CacheSettings
@@ -226,8 +227,17 @@ def test_the_grammar_names_the_learned_policies_everywhere():
         parse_policy("lerned+caote")
 
 
+def with_keys_stacked(monkeypatch) -> None:
+    """A decode step's layers scored together stack their keys too (the learned policy reads only their key terms,
+    so they are left out): the tests below compute every feature column from them."""
+    stacked = EvictionLayer.stacked.__func__
+    monkeypatch.setattr(EvictionLayer, "stacked", classmethod(lambda cls, layers, keys: stacked(cls, layers, True)))
+
+
 def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama, monkeypatch):
     from caote.learned import LayerPredictor, token_features
+
+    with_keys_stacked(monkeypatch)
 
     checked, unrotated = [], []
     real_predict = LayerPredictor.predict
@@ -235,7 +245,7 @@ def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama,
     def compared(self, inputs):
         split = real_predict(self, inputs)
         every = token_features(inputs, self.groups, real_unrotate, self.sink_tokens)  # not counted below
-        whole = torch.einsum("bhnf,hf->bhn", every, self.weights)
+        whole = torch.einsum("...hnf,...hf->...hn", every, self.weights)
         assert torch.allclose(split, whole, rtol=1e-5, atol=1e-5)
         checked.append(inputs.new_tokens)
         return split
@@ -267,18 +277,20 @@ def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama,
     turn(10)
     cache.restore(snapshot)
     turn(20)  # other tokens at the same positions: their key terms are computed again (compared above)
-    assert len(checked) == count + 2 * 3 * layers
+    assert len(checked) == count + 2 * (layers + 2)  # per turn: its prompt layer by layer, two steps' stacks
 
 
 def test_key_terms_in_a_left_padded_batch_and_after_a_snapshot_of_another_predictor(llama, monkeypatch):
     from caote.learned import LayerPredictor, token_features
+
+    with_keys_stacked(monkeypatch)
 
     real_predict, calls = LayerPredictor.predict, []
 
     def compared(self, inputs):
         split = real_predict(self, inputs)
         every = token_features(inputs, self.groups, self.unrotate, self.sink_tokens)
-        whole = torch.einsum("bhnf,hf->bhn", every, self.weights)
+        whole = torch.einsum("...hnf,...hf->...hn", every, self.weights)
         real = inputs.positions >= 0
         assert torch.allclose(split[real], whole[real], rtol=1e-5, atol=1e-5)
         calls.append(int((~real).sum()))
