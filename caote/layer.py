@@ -32,6 +32,9 @@ from caote.policies import ScoreInputs
 from caote.settings import CacheSettings
 
 FREE = -2  # the position of a slot that holds no token while decoding in place (-1 is padding)
+# the most float32 bytes of values (and keys, where the base reads them) one stack of `evict_together` scores: the
+# stack's copies stay about one layer's direct-form transient of before, whatever the model and budget
+STACK_BYTES = 64 * 2**20
 
 
 def layer_bytes(layer) -> int:
@@ -395,16 +398,22 @@ def evict_together(
 ) -> None:
     """Evict the ``layers`` (by layer index) of one decode step, each decoding in place and holding more than
     ``kept`` tokens, as one: every group of equal `EvictionLayer.stack_key` is scored as a single stack of its
-    layers' batch rows (`EvictionLayer.stacked`), so the ~35 operators of a scored step run once per step instead of
-    once per layer, and each layer frees its own rows' slots. ``inputs`` gives a stack's extra `ScoreInputs` from its
+    layers' batch rows (`EvictionLayer.stacked`; split into stacks of at most `STACK_BYTES` of float32 values), so
+    the ~35 operators of a scored step run once per stack instead of once per layer, and each layer frees its own
+    rows' slots. ``inputs`` gives a stack's extra `ScoreInputs` from its
     layers (the learned policy's predictor of those layers). The same arithmetic row by row as evicting them one at
     a time (and the same draws of the random base, taken in layer order)."""
-    groups: dict[tuple, dict[int, EvictionLayer]] = {}
+    groups: dict[tuple, list[int]] = {}
     for index, layer in layers.items():
-        groups.setdefault(layer.stack_key, {})[index] = layer
-    for group in groups.values():
-        first, extra = next(iter(group.values())), inputs(group)  # before stacking: it may write the layers
-        stack = EvictionLayer.stacked(list(group.values()), first.settings.policy.base.reads_keys)
-        slots = stack.slots_to_free(first.retained - kept, random, extra)
-        for layer, own in zip(group.values(), slots.split(first.positions.shape[0])):
-            layer._free_slots(own)
+        groups.setdefault(layer.stack_key, []).append(index)
+    for indices in groups.values():
+        first = layers[indices[0]]
+        keys = first.settings.policy.base.reads_keys
+        per_stack = max(1, STACK_BYTES // (4 * first.values.numel() * (1 + keys)))
+        for start in range(0, len(indices), per_stack):
+            stack = {index: layers[index] for index in indices[start : start + per_stack]}
+            extra = inputs(stack)  # before stacking: it may write to the layers
+            together = EvictionLayer.stacked(list(stack.values()), keys)
+            slots = together.slots_to_free(first.retained - kept, random, extra)
+            for layer, own in zip(stack.values(), slots.split(first.positions.shape[0])):
+                layer._free_slots(own)

@@ -346,6 +346,21 @@ def test_layers_of_unequal_shapes_are_scored_in_separate_stacks(monkeypatch):
         assert torch.equal(layer.free, alone.free) and torch.equal(layer.history, alone.history)
 
 
+def test_a_stack_holds_at_most_stack_bytes_of_values(monkeypatch):
+    import caote.layer
+
+    model = tiny_model("llama")
+    layers = waiting_layers(model, random_ids(3 * BLOCK, seed=24), monkeypatch)
+    reference = [layer.detached_copy() for layer in layers]
+    stacks = []
+    monkeypatch.setattr(caote.layer, "STACK_BYTES", 4 * layers[0].values.numel())  # one layer's float32 values
+    evict_together(dict(enumerate(layers)), BUDGET, lambda: None, lambda stack: stacks.append(list(stack)) or {})
+    assert stacks == [[index] for index in range(len(layers))]
+    evict_together(dict(enumerate(reference)), BUDGET, lambda: None)  # every layer in one stack
+    for layer, together in zip(layers, reference):
+        assert torch.equal(layer.positions, together.positions) and torch.equal(layer.free, together.free)
+
+
 def test_a_forward_that_raises_after_every_attention_evicts_nothing_and_decoding_recovers():
     model = tiny_model("llama")
     cache = EvictionCache(model, budget=BUDGET, policy="h2o+caote", block_size=BLOCK)
