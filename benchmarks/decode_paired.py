@@ -7,7 +7,8 @@ python benchmarks/decode_paired.py --against /tmp/before --rounds 3  # and an ol
 python benchmarks/decode_paired.py --report-from a.json b.json        # the table of rounds saved with --out
 
 The prompt is the start of the test essays (the bundled model, blocks of 128); each configuration prefills it, then
-decodes ``--steps`` greedy tokens, and the median of the last ``--timed`` step times is its ms per step.
+the configurations decode ``--steps`` greedy tokens with their steps interleaved (`measure`), and the median of the
+last ``--timed`` step times is a configuration's ms per step.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ HERE = Path(__file__).resolve().parents[1]
 
 
 def measure(contexts, budgets, policies, steps: int, timed: int) -> dict:
-    """``{"<context>/<budget>/<configuration>": ms per decode step}`` in this process (one thread)."""
+    """``{"<context>/<budget>/<configuration>": ms per decode step}`` in this process (one thread). Every
+    configuration of a (context, budget) cell prefills first; then their decode steps are interleaved, one step of
+    each in turn in an order rotated at every step, so that they share the machine's load step by step (while any
+    caote cache is alive, full@b's layers pass caote's attention dispatcher: one Python call each, to the same
+    kernel)."""
     import torch
 
     from caote.benchmark.sample import configuration_cache
@@ -38,23 +43,31 @@ def measure(contexts, budgets, policies, steps: int, timed: int) -> dict:
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2-135m")
     ids = tokenizer("\n\n".join(essays("test")), return_tensors="pt").input_ids[:, : max(contexts)]
+    configurations = [FULL_AT_BUDGET, *policies]
     results = {}
     with torch.no_grad():
         for context in contexts:
             for budget in budgets:
-                for configuration in [FULL_AT_BUDGET, *policies]:
+                caches, outputs, times = {}, {}, {configuration: [] for configuration in configurations}
+                for configuration in configurations:
                     cache, prompt, block = configuration_cache(model, configuration, ids[:, :context], budget, 128)
                     for start in range(0, prompt.shape[1], block):
-                        out = model(input_ids=prompt[:, start : start + block], cache=cache, logits_to_keep=1)
-                    times = []
-                    for _ in range(steps):
-                        token = out.logits[:, -1:].argmax(-1)
+                        outputs[configuration] = model(
+                            input_ids=prompt[:, start : start + block], cache=cache, logits_to_keep=1
+                        )
+                    caches[configuration] = cache
+                for step in range(steps):
+                    turn = step % len(configurations)
+                    for configuration in configurations[turn:] + configurations[:turn]:
+                        token = outputs[configuration].logits[:, -1:].argmax(-1)
                         began = time.perf_counter()
-                        out = model(input_ids=token, cache=cache)
-                        times.append(time.perf_counter() - began)
-                    results[f"{context}/{budget}/{configuration}"] = 1000 * statistics.median(times[-timed:])
-                    if isinstance(cache, EvictionCache):
-                        cache.close()
+                        outputs[configuration] = model(input_ids=token, cache=caches[configuration])
+                        times[configuration].append(time.perf_counter() - began)
+                for configuration in configurations:
+                    ms = 1000 * statistics.median(times[configuration][-timed:])
+                    results[f"{context}/{budget}/{configuration}"] = ms
+                    if isinstance(caches[configuration], EvictionCache):
+                        caches[configuration].close()
     return results
 
 
@@ -98,8 +111,8 @@ def main() -> int:
     parser.add_argument("--contexts", default="2048,4096,8192")
     parser.add_argument("--budgets", default="256,512")
     parser.add_argument("--policies", default="streamingllm,h2o+caote,tova+caote")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--timed", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--timed", type=int, default=56)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--against", type=Path, help="another caote checkout, measured side by side")
     parser.add_argument("--out", type=Path, help="write every round's numbers here (JSON)")
