@@ -2,8 +2,9 @@
 
 Used as ``model.generate(ids, cache=EvictionCache(model, budget=512, policy="snapkv+caote"), prefill_chunk_size=128)``
 (``past_key_values=`` works too; transformers 5.2x renamed it). Each forward step runs attention over the retained
-tokens plus the new ones; right after a layer's attention the layer scores its tokens and keeps its top ``budget``
-(`caote.layer.EvictionLayer`, on the schedule of the policy's `caote.strategies` strategy):
+tokens plus the new ones; right after a layer's attention (a decode step in place: its layers together, when the
+forward ends) the layer scores its tokens and keeps its top ``budget`` (`caote.layer.EvictionLayer`, on the
+schedule of the policy's `caote.strategies` strategy):
 
     attention probabilities -> base score -> value-aware transform -> GQA aggregation -> protect -> keep top-b -> gather
 
@@ -377,7 +378,8 @@ class EvictionCache(Cache):
 
     def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None:
         """Called when a forward given this cache ends (``output`` None when it raised): a strategy that waits for
-        the end of the forward (`caote.strategies.LookAhead`) evicts now."""
+        the end of the forward (`caote.strategies.LookAhead`'s prompt blocks, a decode step's layers in place) evicts
+        now."""
         if self.strategy is not None:
             for index in self.strategy.after_forward(self, model, output, forward_kwargs):
                 self._bytes.account(index, self.layers[index])

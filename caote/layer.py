@@ -6,8 +6,8 @@ It holds the retained keys and values, their absolute positions and what its pol
     attention probabilities -> base score -> value-aware transform -> GQA aggregation -> protect -> keep top-b -> gather
 
 (`record`: the rows; `evict`: `Policy.scores`, `protect`, ``topk``, `keep`). When a layer is evicted is its
-policy's strategy (`caote.strategies`); the cache around it holds the hooks, the per-forward bookkeeping, the
-statistics and snapshots.
+policy's strategy (`caote.strategies`); a decode step's layers in place may be scored together as one stack
+(`evict_together`). The cache around it holds the hooks, the per-forward bookkeeping, the statistics and snapshots.
 
 **Decoding in place.** Prompt blocks are appended and gathered as above, in arrival order. At the first one-token
 forward that will evict, the layer packs its ``budget`` tokens into buffers of ``budget + 1`` slots, allocated once;
@@ -32,8 +32,8 @@ from caote.policies import ScoreInputs
 from caote.settings import CacheSettings
 
 FREE = -2  # the position of a slot that holds no token while decoding in place (-1 is padding)
-# the most float32 bytes of values (and keys, where the base reads them) one stack of `evict_together` scores: the
-# stack's copies stay about one layer's direct-form transient of before, whatever the model and budget
+# the most bytes one stack of `evict_together` copies (the history, and the keys and values its scoring reads, counted
+# as float32): a step's transient copies stay bounded whatever the model, budget and policy
 STACK_BYTES = 64 * 2**20
 
 
@@ -294,16 +294,33 @@ class EvictionLayer(DynamicLayer):
     @property
     def stack_key(self) -> tuple:
         """What layers must share to be scored together as one stack (`evict_together`)."""
-        history = None if self.history is None else self.history.shape
-        return (self.values.device, self.keys.shape, self.values.shape, history, self.retained, self.padded)
+        history = None if self.history is None else (self.history.shape, self.history.dtype)
+        held = (self.keys.shape, self.values.shape, self.values.dtype)
+        return (self.values.device, held, history, self.retained, self.padded)
+
+    def stacked_names(self) -> tuple[str, ...]:
+        """What `stacked` concatenates for this layer's policy: what its scoring reads."""
+        policy = self.settings.policy
+        reads = ("keys",) * ("keys" in policy.base.reads) + ("values",) * policy.reads_values
+        return ("positions", "history", "free", "_sinks", "_written", "_newest") + reads
+
+    def stacked_bytes(self) -> int:
+        """The bytes `stacked` copies of this layer (keys and values counted as float32, as the scores read them)."""
+        tensors = {name: getattr(self, name) for name in self.stacked_names()}
+        return sum(
+            tensor.numel() * (4 if name in ("keys", "values") else tensor.element_size())
+            for name, tensor in tensors.items()
+            if tensor is not None
+        )
 
     @classmethod
-    def stacked(cls, layers: list[EvictionLayer], keys: bool) -> EvictionLayer:
+    def stacked(cls, layers: list[EvictionLayer]) -> EvictionLayer:
         """One layer decoding in place whose batch rows are those of ``layers`` (equal `stack_key`), in order: what
-        the scores read, concatenated along the batch axis (the keys only when ``keys``: the base reads them)."""
+        the scores read (`stacked_names`), concatenated along the batch axis; the keys and values it does not read
+        are None."""
         first = layers[0]
         stack = cls(first.settings)
-        for name in ("values", "positions", "history", "free", "_sinks", "_written", "_newest") + ("keys",) * keys:
+        for name in first.stacked_names():
             tensors = [getattr(layer, name) for layer in layers]
             setattr(stack, name, None if tensors[0] is None else torch.cat(tensors))
         stack.padded, stack.new_tokens, stack.decodes_in_place = first.padded, first.new_tokens, True
@@ -314,7 +331,7 @@ class EvictionLayer(DynamicLayer):
         keys, values, positions, history = self.keys, self.values, self.positions, self.history
         if order is not None:
             keys = None if keys is None else keys.gather(2, order.unsqueeze(-1).expand_as(keys))
-            values = values.gather(2, order.unsqueeze(-1).expand_as(values))
+            values = None if values is None else values.gather(2, order.unsqueeze(-1).expand_as(values))
             positions = positions.gather(2, order)
             if history is not None:
                 history = history.gather(-1, history_index(order, history))
@@ -398,7 +415,7 @@ def evict_together(
 ) -> None:
     """Evict the ``layers`` (by layer index) of one decode step, each decoding in place and holding more than
     ``kept`` tokens, as one: every group of equal `EvictionLayer.stack_key` is scored as a single stack of its
-    layers' batch rows (`EvictionLayer.stacked`; split into stacks of at most `STACK_BYTES` of float32 values), so
+    layers' batch rows (`EvictionLayer.stacked`; split into stacks of at most `STACK_BYTES` copied), so
     the ~35 operators of a scored step run once per stack instead of once per layer, and each layer frees its own
     rows' slots. ``inputs`` gives a stack's extra `ScoreInputs` from its
     layers (the learned policy's predictor of those layers). The same arithmetic row by row as evicting them one at
@@ -408,12 +425,16 @@ def evict_together(
         groups.setdefault(layer.stack_key, []).append(index)
     for indices in groups.values():
         first = layers[indices[0]]
-        keys = first.settings.policy.base.reads_keys
-        per_stack = max(1, STACK_BYTES // (4 * first.values.numel() * (1 + keys)))
+        count = first.retained - kept  # the same in every layer of the group (read before any is evicted)
+        if first.settings.policy.base.drop_unscored is not None and not first.padded:  # nothing scored: no stack
+            for index in indices:
+                layers[index]._free_slots(layers[index].slots_to_free(count, random, {}))
+            continue
+        per_stack = max(1, STACK_BYTES // first.stacked_bytes())
         for start in range(0, len(indices), per_stack):
             stack = {index: layers[index] for index in indices[start : start + per_stack]}
             extra = inputs(stack)  # before stacking: it may write to the layers
-            together = EvictionLayer.stacked(list(stack.values()), keys)
-            slots = together.slots_to_free(first.retained - kept, random, extra)
+            together = EvictionLayer.stacked(list(stack.values()))
+            slots = together.slots_to_free(count, random, extra)
             for layer, own in zip(stack.values(), slots.split(first.positions.shape[0])):
                 layer._free_slots(own)

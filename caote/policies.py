@@ -26,8 +26,8 @@ from caote.learned import LEARNED_RECENT, RECENT_ROWS, learned_score
 class ScoreInputs:
     """Everything a base score may read for one layer at one step (all tensors cover retained + new tokens)."""
 
-    keys: torch.Tensor | None  # (B, H_kv, N, d); None where the base does not read them (`BaseScore.reads_keys`)
-    values: torch.Tensor  # (B, H_kv, N, d)
+    keys: torch.Tensor | None  # (B, H_kv, N, d); None where the base does not read them (`BaseScore.reads`)
+    values: torch.Tensor | None  # (B, H_kv, N, d); None where the policy does not read them (`Policy.reads_values`)
     positions: torch.Tensor  # (B, H_kv, N) absolute positions, -1 for padding
     real: torch.Tensor | None  # (B, H_kv, N) bool, False for padding (takes no part in any score); None: no padding
     history: torch.Tensor | None = None  # what the base's `history` kept of the attention rows, token axis last
@@ -70,7 +70,9 @@ class BaseScore:
     split).
     ``layer_wide``: one decision for the whole layer (every KV head keeps the same tokens), as the original TOVA.
     ``rank_only``: the score is a ranking with no attention mass to normalise, so CAOTE does not apply.
-    ``reads_keys``: the score reads the keys (a decode step's layers scored together stack them only then).
+    ``reads``: which of the held tokens' keys and values the score reads (a decode step's layers scored together
+    stack only those, and the values whenever the policy's transform reads them: `Policy.reads_values`); a new base
+    reads both unless it says otherwise.
     ``ordered``: the score depends on the tokens' order (SnapKV's pooling and window, the random draws), so a layer
     decoding in place hands it the slots sorted by position.
     """
@@ -88,7 +90,7 @@ class BaseScore:
     recent_window: int | float = 1
     layer_wide: bool = False
     rank_only: bool = False
-    reads_keys: bool = False
+    reads: tuple[str, ...] = ("keys", "values")
     ordered: bool = False
 
     def __post_init__(self):
@@ -121,6 +123,7 @@ BASE_SCORES: dict[str, BaseScore] = {
     for base in (
         BaseScore(
             name="streamingllm",
+            reads=(),
             score=lambda x: scoring.streamingllm_score(x.positions),
             about=About("attention sinks + the most recent tokens", "Xiao et al. 2023, arXiv 2309.17453"),
             keep_unscored=scoring.oldest_after_sinks_dropped,
@@ -129,6 +132,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="h2o",
+            reads=(),
             score=lambda x: scoring.h2o_score(x.history),
             about=About(
                 "attention accumulated over every query so far (heavy hitters; half the budget kept recent)",
@@ -140,6 +144,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="tova",
+            reads=(),
             score=lambda x: scoring.tova_score(x.history),
             about=About(
                 "attention of the newest query, averaged per KV group (each KV head evicts its own tokens)",
@@ -150,6 +155,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="tova-layer",
+            reads=(),
             score=lambda x: scoring.tova_score(x.history),
             about=About(
                 "TOVA as published: attention of the newest query averaged over all heads of the layer; every KV "
@@ -162,6 +168,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="snapkv",
+            reads=(),
             score=lambda x: scoring.snapkv_score(x.history, SNAPKV_KERNEL),
             about=About(
                 f"attention of the last {SNAPKV_WINDOW} queries on the tokens before them, pooled over "
@@ -178,24 +185,25 @@ BASE_SCORES: dict[str, BaseScore] = {
             score=lambda x: scoring.keydiff_score(x.keys, x.real),
             about=About("negative cosine similarity of each key to the mean key", "Park et al. 2025, arXiv 2504.15364"),
             signed=True,
-            reads_keys=True,
+            reads=("keys",),
         ),
         BaseScore(
             name="knorm",
             score=lambda x: scoring.knorm_score(x.keys),
             about=About("negative L2 norm of each key", "Devoto et al. 2024, arXiv 2406.11430"),
             signed=True,
-            reads_keys=True,
+            reads=("keys",),
         ),
         BaseScore(
             name="random",
             score=lambda x: scoring.random_score(x.keys, x.random() if x.random is not None else None),
             about=About("uniformly random scores (a floor to beat)", "-"),
-            reads_keys=True,  # for their shape and device
+            reads=("keys",),  # for their shape and device
             ordered=True,  # one draw per token in position order, whatever slot holds it
         ),
         BaseScore(
             name="caote-window",
+            reads=("values",),
             score=lambda x: scoring.multi_row_caote_score(x.history, x.values),
             about=About(
                 f"beyond the paper: the exact CAOTE output change over each of the newest {SNAPKV_WINDOW} real "
@@ -209,6 +217,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="caote-block",
+            reads=("values",),
             score=lambda x: scoring.multi_row_caote_score(x.history, x.values),
             about=About(
                 f"beyond the paper: caote-window over the newest {BLOCK_ROWS} queries (a whole prefill block; the "
@@ -221,6 +230,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="caote-ahead",
+            reads=("values",),
             score=lambda x: scoring.multi_row_caote_score(rows_and_draft(x), x.values),
             about=About(
                 f"beyond the paper: caote-block whose rows also include the queries of {LOOKAHEAD_TOKENS} tokens the "
@@ -237,6 +247,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="learned",
+            reads=("values",),
             score=learned_score,
             about=About(
                 "beyond the paper: each token's future attention predicted by a per-(layer, KV head) linear map of "
@@ -251,6 +262,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="oracle",
+            reads=(),
             score=lambda x: x.future,
             about=About(
                 "hindsight ceiling: the attention each token receives from all later queries of the full-cache pass, "
@@ -287,12 +299,17 @@ class Policy:
     def evicts(self) -> bool:
         return self.base is not None
 
+    @property
+    def reads_values(self) -> bool:
+        """Whether scoring reads the held values: the base's own reading (`BaseScore.reads`) or a CAOTE transform."""
+        return "values" in self.base.reads or TRANSFORMS[self.transform] is not None
+
     def scores(self, inputs: ScoreInputs, gqa: str = "rss") -> torch.Tensor:
         """base score -> value-aware transform -> GQA aggregation, ``(B, H_kv, N)``, higher = keep.
 
         Padding gets ``-inf`` before anything else, so it has no weight, no part in a mean or minimum and no vote."""
         base = self.base.score(inputs)
-        kv_heads = inputs.values.shape[1]
+        kv_heads = inputs.positions.shape[1]
         grouped = scoring.group_query_heads(base, kv_heads) if self.base.per_query_head else base.unsqueeze(2)
         real = None if inputs.real is None else inputs.real.unsqueeze(2)  # (B, H_kv, 1, N), broadcast over the group
         if real is not None:

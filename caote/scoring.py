@@ -68,7 +68,11 @@ def distances(output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``||output - v_j||_2`` for every token j: ``output`` ``(..., d)``, ``values`` ``(..., N, d)`` with as many
     axes plus one, broadcast against it -> ``(..., N)``. One `torch.cdist` in its direct mode (the difference is
     squared and summed per pair, never held as a ``(..., N, d)`` tensor, nor expanded into matrix products); a KV
-    group's outputs ``(..., g, d)`` over its shared values ``(..., 1, N, d)`` are its rows, the values not copied."""
+    group's outputs ``(..., g, d)`` over its shared values ``(..., 1, N, d)`` are its rows, the values not copied
+    where their leading axes match the outputs' (`torch.cdist` copies broadcast ones). Devices `torch.cdist`'s
+    direct mode does not run on take the norm of the difference."""
+    if values.device.type not in ("cpu", "cuda"):
+        return torch.linalg.vector_norm(output.unsqueeze(-2) - values, dim=-1)
     if values.dim() >= 3 and values.shape[-3] == 1 and output.dim() == values.dim() - 1:
         rows, others = output, values.squeeze(-3)
     else:

@@ -1,7 +1,8 @@
 """When a layer is evicted, and with which extra score inputs: one small strategy per schedule, chosen once when a
 cache is built from the name a `BaseScore` gives its schedule (`caote.policies`; `STRATEGIES`).
 
-* `Immediate`: right after the layer's attention, whenever it holds more than the budget (the paper's schedule).
+* `Immediate`: right after the layer's attention, whenever it holds more than the budget (the paper's schedule);
+  a decode step in place evicts its layers together when the forward ends (the same arithmetic, fewer operators).
 * `Hindsight`: the same, with the attention each token will receive from later queries (the ``oracle``).
 * `LookAhead`: a prompt block's eviction waits for the end of the forward, when the model drafts a few tokens
   greedily through the same cache; their queries join the block's rows (``caote-ahead``).
@@ -46,6 +47,14 @@ class Immediate:
 
     decodes_in_place = True
     evicts_together = True
+
+    def __init_subclass__(cls, **kwargs):
+        """A strategy decoding in place whose layers get inputs of their own (`inputs`) gives a stack of them theirs
+        too (`stack_inputs`), or evicts layer by layer (``evicts_together = False``)."""
+        super().__init_subclass__(**kwargs)
+        own_inputs = cls.inputs is not Immediate.inputs and cls.stack_inputs is Immediate.stack_inputs
+        if own_inputs and cls.decodes_in_place and cls.evicts_together:
+            raise TypeError(f"{cls.__name__} has per-layer inputs: define stack_inputs or set evicts_together = False")
 
     def __init__(self, settings, context: CacheContext):
         self.settings = settings
@@ -110,7 +119,7 @@ class LookAhead(Immediate):
     """A prompt block that overflows the budget waits, in every layer, for the end of its forward; then ``tokens``
     greedy one-token forwards run through the same cache (`caote.lookahead.draft`), each draft query's row over the
     tokens held before the draft is kept, the draft's keys and values are dropped, and every waiting layer is
-    evicted with those rows as ``ahead_rows``. Decode steps evict at once, as `Immediate`.
+    evicted with those rows as ``ahead_rows``. Decode steps evict at once, in arrival order.
 
     This is the one place a forward runs inside another: attention -> cache -> `after_forward` -> `draft` -> model
     -> attention (docs/architecture.md). The draft's tokens are dropped by truncating the arrival-order slots, so

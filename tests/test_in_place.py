@@ -274,10 +274,12 @@ def one_at_a_time(cache: EvictionCache) -> EvictionCache:
     return cache
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("interval", [1, 3])
 @pytest.mark.parametrize(
     "policy",
     [
+        "streamingllm",
         "h2o+caote",
         "tova+caote",
         "snapkv+caote",
@@ -288,11 +290,12 @@ def one_at_a_time(cache: EvictionCache) -> EvictionCache:
         "learned+caote",
     ],
 )
-def test_a_decode_step_scores_its_layers_together_as_they_would_be_one_at_a_time(policy, interval, monkeypatch):
+def test_a_decode_step_scores_its_layers_together_as_they_would_be_one_at_a_time(policy, interval, padded, monkeypatch):
     model = tiny_model("qwen3")
     ids = random_ids(3 * BLOCK, batch=2, seed=21)
     mask = torch.ones_like(ids)
-    mask[1, :12] = 0  # padding slots outlive the prefill, so every base scores (streamingllm included)
+    if padded:
+        mask[1, :12] = 0  # padding slots outlive the prefill, so every base scores (streamingllm included)
     settings = dict(budget=BUDGET, policy=policy, block_size=BLOCK, decode_eviction_interval=interval)
     EvictionCache(model, **settings).close()  # the learned policy's tiny predictor is calibrated here, uncounted
     calls = {"scores": 0}
@@ -311,7 +314,8 @@ def test_a_decode_step_scores_its_layers_together_as_they_would_be_one_at_a_time
     assert torch.equal(got, want)  # the same tokens kept, so the same arithmetic to the bit
     assert all(torch.equal(a, b) for a, b in zip(kept(together), kept(alone)))
     evicting_steps = 9 if interval == 1 else 3
-    assert calls["scores"] - scored_together == evicting_steps * (len(together.layers) - 1)
+    scored = padded or policy != "streamingllm"  # without padding, streamingllm frees its oldest slots unscored
+    assert calls["scores"] - scored_together == evicting_steps * (len(together.layers) - 1) * scored
 
 
 def waiting_layers(model, ids, monkeypatch) -> list[EvictionLayer]:
@@ -358,6 +362,7 @@ def test_a_stack_holds_at_most_stack_bytes_of_values(monkeypatch):
     assert stacks == [[index] for index in range(len(layers))]
     evict_together(dict(enumerate(reference)), BUDGET, lambda: None)  # every layer in one stack
     for layer, together in zip(layers, reference):
+        assert layer.retained == together.retained == BUDGET
         assert torch.equal(layer.positions, together.positions) and torch.equal(layer.free, together.free)
 
 

@@ -230,8 +230,8 @@ def test_the_grammar_names_the_learned_policies_everywhere():
 def with_keys_stacked(monkeypatch) -> None:
     """A decode step's layers scored together stack their keys too (the learned policy reads only their key terms,
     so they are left out): the tests below compute every feature column from them."""
-    stacked = EvictionLayer.stacked.__func__
-    monkeypatch.setattr(EvictionLayer, "stacked", classmethod(lambda cls, layers, keys: stacked(cls, layers, True)))
+    names = EvictionLayer.stacked_names
+    monkeypatch.setattr(EvictionLayer, "stacked_names", lambda self: (*names(self), "keys"))
 
 
 def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama, monkeypatch):

@@ -114,9 +114,10 @@ def markdown_report(document: dict) -> str:
         ]
         for name, entry in counts.items():
             if name != FULL_AT_BUDGET:
+                in_layer = entry.get("extra_in_layer")  # not counted apart before layers were evicted together
+                in_layer = "-" if in_layer is None else f"{in_layer:.1f}"
                 lines.append(
-                    f"| {name} | {entry['extra_per_layer']:.1f} | {entry['extra_in_layer']:.1f} "
-                    f"| {entry['extra_per_forward']:.1f} |"
+                    f"| {name} | {entry['extra_per_layer']:.1f} | {in_layer} | {entry['extra_per_forward']:.1f} |"
                 )
         lines.append("")
     lines += [
