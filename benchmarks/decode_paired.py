@@ -139,8 +139,8 @@ def main() -> int:
         measured = {name: json.loads(process.communicate()[0]) for name, process in running.items()}
         rounds.append({"load_start": started, "load_end": load(), **measured})
         print(f"round {number + 1}: load {started:.2f} -> {load():.2f}", file=sys.stderr, flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(rounds, indent=1))
+        if args.out:  # after every round, so that an interrupted run keeps its rounds
+            args.out.write_text(json.dumps(rounds, indent=1))
     print(table(rounds, contexts, budgets, policies))
     return 0
 
