@@ -271,7 +271,7 @@ class EvictionLayer(DynamicLayer):
             self._free_slots(self.slots_to_free(self.retained - kept, random, inputs))
             return
         settings, base = self.settings, self.settings.policy.base
-        if base.keep_unscored is not None and not self.padded:
+        if self.unscored:
             self.keep(base.keep_unscored(self.positions, kept, settings.sink_tokens))
             return
         scores = settings.policy.scores(self._score_inputs(None, self.padded, random, inputs), settings.aggregation)
@@ -283,13 +283,19 @@ class EvictionLayer(DynamicLayer):
         token; a base that scores by recency alone picks them without scoring."""
         settings, base = self.settings, self.settings.policy.base
         padded = self.padded  # else every slot is real: the scores and the protection skip their masking
-        if base.drop_unscored is not None and not padded:
+        if self.unscored:
             return base.drop_unscored(self.positions, count, settings.sink_tokens)
         order = self.positions.argsort(dim=-1) if base.ordered else None
         scores = settings.policy.scores(self._score_inputs(order, padded, random, inputs), settings.aggregation)
         if order is not None:  # back from position order to the slots
             scores = torch.empty_like(scores).scatter_(-1, order, scores)
         return self._lowest(self.protect(scores, padded), count)
+
+    @property
+    def unscored(self) -> bool:
+        """Whether an eviction picks its tokens without scoring: a base that scores by recency alone
+        (`BaseScore.keep_unscored` / ``drop_unscored``) while no slot holds padding."""
+        return self.settings.policy.base.keep_unscored is not None and not self.padded
 
     @property
     def stack_key(self) -> tuple:
@@ -426,7 +432,7 @@ def evict_together(
     for indices in groups.values():
         first = layers[indices[0]]
         count = first.retained - kept  # the same in every layer of the group (read before any is evicted)
-        if first.settings.policy.base.drop_unscored is not None and not first.padded:  # nothing scored: no stack
+        if first.unscored:  # nothing scored: no stack
             for index in indices:
                 layers[index]._free_slots(layers[index].slots_to_free(count, random, {}))
             continue

@@ -206,18 +206,23 @@ class Learned(Immediate):
                 layer.history[:, :, KEY_TERM_POSITION] = 0.0
 
     def inputs(self, index: int, layer) -> dict:
-        predictor = self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)
-        predictor.remember_keys(layer)  # the key terms of the tokens new since the layer's last eviction
-        inputs = {"predictor": predictor}
+        inputs = {"predictor": self.remembered(index, layer)}
         if self.future is not None:  # calibration: the targets the stand-in records
             inputs["future"] = self.future.at(index, layer.cumulative_length, layer.positions)
         return inputs
+
+    def remembered(self, index: int, layer):
+        """Layer ``index``'s predictor, once it has remembered the key terms of the layer's tokens new since its
+        last eviction (`caote.learned.LayerPredictor.remember_keys`)."""
+        predictor = self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)
+        predictor.remember_keys(layer)
+        return predictor
 
     def stack_inputs(self, layers: dict) -> dict:
         """The key terms of each layer's new tokens remembered, then one predictor whose rows are the layers'
         (`caote.learned.Predictor.stacked`)."""
         for index, layer in layers.items():
-            self.predictor.layer(index, self.unrotate, self.settings.sink_tokens).remember_keys(layer)
+            self.remembered(index, layer)
         batch = next(iter(layers.values())).positions.shape[0]
         return {"predictor": self.predictor.stacked(list(layers), batch, self.unrotate, self.settings.sink_tokens)}
 
