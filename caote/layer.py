@@ -44,6 +44,25 @@ def layer_bytes(layer) -> int:
     return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
 
 
+# what a layer decoding in place writes in place (never replaces): a stack's copy of them may become the layers' own
+# storage (`EvictionLayer.stacked`), so that the next step's stack is a view
+HELD_BY_STACK = ("keys", "values", "positions", "history", "_sinks")
+
+
+def adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(tensors)`` without a copy when the tensors (equal in shape) are already the consecutive pieces of
+    one contiguous tensor along its first axis (a stack's, `EvictionLayer.stacked`): that tensor; else None."""
+    first = tensors[0]
+    whole = first._base
+    if whole is None or whole.shape[0] != len(tensors) * first.shape[0] or whole.shape[1:] != first.shape[1:]:
+        return None
+    start, size = whole.storage_offset(), first.numel()
+    for index, tensor in enumerate(tensors):
+        if tensor._base is not whole or tensor.storage_offset() != start + index * size or not tensor.is_contiguous():
+            return None
+    return whole if whole.is_contiguous() else None
+
+
 def history_index(slots: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     """Slot indices ``(B, H_kv, k)`` as an index into a per-query-head ``history`` ``(B, H_q, [R,] N)``: each KV
     head's slots repeated over its query group (and over the rows)."""
@@ -323,12 +342,21 @@ class EvictionLayer(DynamicLayer):
     def stacked(cls, layers: list[EvictionLayer]) -> EvictionLayer:
         """One layer decoding in place whose batch rows are those of ``layers`` (equal `stack_key`), in order: what
         the scores read (`stacked_names`), concatenated along the batch axis; the keys and values it does not read
-        are None."""
+        are None. What the layers write in place (`HELD_BY_STACK`) is copied once: the copy becomes their storage
+        (each layer's rows a view of it, the old buffers freed), so the next step's stack of the same layers is a
+        view of it (`adjacent`), not a copy."""
         first = layers[0]
         stack = cls(first.settings)
         for name in first.stacked_names():
             tensors = [getattr(layer, name) for layer in layers]
-            setattr(stack, name, None if tensors[0] is None else torch.cat(tensors))
+            whole = None if tensors[0] is None else adjacent(tensors)
+            if whole is None and tensors[0] is not None:
+                whole = torch.cat(tensors)
+                if name in HELD_BY_STACK:  # the copy becomes the layers' storage: the next step stacks a view
+                    for layer, own in zip(layers, whole.split(tensors[0].shape[0])):
+                        setattr(layer, name, own)
+                        layer._views = None  # nor do its attention's views keep the old buffers alive
+            setattr(stack, name, whole)
         stack.padded, stack.new_tokens, stack.decodes_in_place = first.padded, first.new_tokens, True
         return stack
 
