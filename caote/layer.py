@@ -293,9 +293,10 @@ class EvictionLayer(DynamicLayer):
         if self.unscored:
             self.keep(base.keep_unscored(self.positions, kept, settings.sink_tokens))
             return
-        scores = settings.policy.scores(self._score_inputs(None, self.padded, random, inputs), settings.aggregation)
-        protected = self.protect(scores, self.padded)
-        self.keep(protected.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
+        protected = self.protected(self.padded)
+        inputs = self._score_inputs(None, protected, self.padded, random, inputs)
+        scores = self.protect(settings.policy.scores(inputs, settings.aggregation), protected, self.padded)
+        self.keep(scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values)
 
     def slots_to_free(self, count: int, random: Callable[[], torch.Generator], inputs: dict) -> torch.Tensor:
         """In place: the ``count`` slots ``(B, H_kv, count)`` of lowest protected score, ties going to the older
@@ -305,10 +306,13 @@ class EvictionLayer(DynamicLayer):
         if self.unscored:
             return base.drop_unscored(self.positions, count, settings.sink_tokens)
         order = self.positions.argsort(dim=-1) if base.ordered else None
-        scores = settings.policy.scores(self._score_inputs(order, padded, random, inputs), settings.aggregation)
+        protected = self.protected(padded)
+        scores = settings.policy.scores(
+            self._score_inputs(order, protected, padded, random, inputs), settings.aggregation
+        )
         if order is not None:  # back from position order to the slots
             scores = torch.empty_like(scores).scatter_(-1, order, scores)
-        return self._lowest(self.protect(scores, padded), count)
+        return self._lowest(self.protect(scores, protected, padded), count)
 
     @property
     def unscored(self) -> bool:
@@ -360,13 +364,13 @@ class EvictionLayer(DynamicLayer):
         stack.padded, stack.new_tokens, stack.decodes_in_place = first.padded, first.new_tokens, True
         return stack
 
-    def _score_inputs(self, order, padded: bool, random, inputs: dict) -> ScoreInputs:
+    def _score_inputs(self, order, protected: torch.Tensor, padded: bool, random, inputs: dict) -> ScoreInputs:
         """What the scores read, the slots in position order when ``order`` ``(B, H_kv, S)`` is given."""
         keys, values, positions, history = self.keys, self.values, self.positions, self.history
         if order is not None:
             keys = None if keys is None else keys.gather(2, order.unsqueeze(-1).expand_as(keys))
             values = None if values is None else values.gather(2, order.unsqueeze(-1).expand_as(values))
-            positions = positions.gather(2, order)
+            positions, protected = positions.gather(2, order), protected.gather(2, order)
             if history is not None:
                 history = history.gather(-1, history_index(order, history))
         return ScoreInputs(
@@ -377,6 +381,7 @@ class EvictionLayer(DynamicLayer):
             history=history,
             random=random,
             new_tokens=self.new_tokens,
+            kept=protected,
             **inputs,
         )
 
@@ -389,21 +394,23 @@ class EvictionLayer(DynamicLayer):
         ranked = scores.gather(-1, order).argsort(dim=-1, stable=True)[..., :count]
         return order.gather(-1, ranked)
 
-    def protect(self, scores: torch.Tensor, padded: bool = True) -> torch.Tensor:
-        """Sinks and the recent window always stay; padding always goes first (which keeps the slots that the 2D
-        padding mask marks as padding exactly the retained padding slots)."""
+    def protected(self, padded: bool = True) -> torch.Tensor:
+        """``(B, H_kv, N)`` bool: the slots that stay whatever their score, the sinks and the recent window (never
+        padding nor a free slot)."""
         positions = self.positions
         if self.in_place and not padded:  # the sinks' slots are known; the newest token is this step's
-            scores = scores.masked_fill(self._sinks, float("inf"))
             if self.settings.recent == 1:
-                return scores.scatter_(-1, self._written, float("inf"))
-            return scores.masked_fill_(positions > self._newest - self.settings.recent, float("inf"))
+                return self._sinks.scatter(-1, self._written, True)
+            return self._sinks | (positions > self._newest - self.settings.recent)
         newest = positions.amax(dim=-1, keepdim=True)
         protected = (positions < self.settings.sink_tokens) | (positions > newest - self.settings.recent)
-        if not padded:
-            return scores.masked_fill(protected, float("inf"))
-        scores = scores.masked_fill(protected & (positions >= 0), float("inf"))
-        return scores.masked_fill(positions < 0, float("-inf"))
+        return protected & (positions >= 0) if padded else protected
+
+    def protect(self, scores: torch.Tensor, protected: torch.Tensor, padded: bool = True) -> torch.Tensor:
+        """The ``protected`` slots always stay; padding always goes first (which keeps the slots that the 2D
+        padding mask marks as padding exactly the retained padding slots)."""
+        scores = scores.masked_fill(protected, float("inf"))
+        return scores.masked_fill(self.positions < 0, float("-inf")) if padded else scores
 
     def keep(self, indices: torch.Tensor) -> None:
         """Gather the tokens ``indices`` ``(B, H_kv, b)`` (sorted) from every per-token tensor of the layer."""

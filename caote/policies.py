@@ -36,6 +36,7 @@ class ScoreInputs:
     ahead_rows: torch.Tensor | None = None  # (B, H_q, k, N) attention of k drafted queries (look-ahead bases)
     new_tokens: int = 0  # how many of the tokens arrived in this forward (a prompt block's, or 1 when decoding)
     predictor: object | None = None  # the layer's `caote.learned.LayerPredictor` (the ``learned`` base)
+    kept: torch.Tensor | None = None  # (B, H_kv, N) bool, the tokens that stay whatever their score (`protected`)
 
 
 @dataclass(frozen=True)
@@ -320,7 +321,8 @@ class Policy:
             weights = scoring.normalise_weights(
                 grouped, signed=self.base.signed, padded=real is not None, positive=self.base.per_query_head
             )
-            grouped = transform(weights, inputs.values.unsqueeze(2), real)
+            kept = None if inputs.kept is None or self.base.layer_wide else inputs.kept.unsqueeze(2)
+            grouped = transform(weights, inputs.values.unsqueeze(2), real, kept)
         scores = scoring.aggregate_groups(grouped, how)
         if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group
             scores = scoring.aggregate_groups(scores.unsqueeze(1), how).expand_as(scores)

@@ -50,18 +50,25 @@ def normalise_weights(
     return weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
 
 
-def eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+def eviction_error(
+    weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor, kept: torch.Tensor | None = None
+) -> torch.Tensor:
     """``w_j / (1 - w_j) * ||output - v_j||_2`` for every token j, exact for every weight.
 
     ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them; ``output`` ``(..., d)``.
     The formula is well conditioned as written for ``w_j <= 1/2``; the (at most one) heavier token gets
-    `heaviest_token_error`'s stable form."""
+    `heaviest_token_error`'s stable form, unless ``kept`` ``(..., N)`` (bool, broadcast against the weights) marks
+    it as a token the cache keeps whatever its score (a sink, the recent window): its entry is then finite but not
+    its exact error, which nothing reads."""
     if values.dim() < weights.dim() + 1:  # leading axes the broadcast would add
         values = values[(None,) * (weights.dim() + 1 - values.dim())]
     distance = distances(output, values)
     if not may_hold_heavy_token(weights):  # every 1 - w_j >= 1/2: the formula as written, no clamp needed
         return weights / (1.0 - weights) * distance
-    return heaviest_token_error(weights / (1.0 - weights).clamp_min(0.5) * distance, weights, values)
+    error = weights / (1.0 - weights).clamp_min(0.5) * distance
+    if kept is not None and not may_hold_heavy_token(weights, kept):  # every heavy token stays anyway
+        return error
+    return heaviest_token_error(error, weights, values)
 
 
 def distances(output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -81,11 +88,17 @@ def distances(output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return distance if rows is output else distance.squeeze(-2)
 
 
-def may_hold_heavy_token(weights: torch.Tensor) -> bool:
-    """Whether a row of ``weights`` may give one token more than half its weight (`heaviest_token_error`). On the
-    CPU, where reading a number back costs nothing, the answer is exact, so the ~30 operators of the stable form are
-    skipped on most decode steps; on an accelerator it is always yes, so that nothing waits for the device."""
-    return weights.device.type != "cpu" or weights.numel() == 0 or weights.max().item() > 0.5
+def may_hold_heavy_token(weights: torch.Tensor, kept: torch.Tensor | None = None) -> bool:
+    """Whether a row of ``weights`` may give one token more than half its weight (`heaviest_token_error`), not
+    counting the tokens ``kept`` marks (bool, broadcast against the weights). On the CPU, where reading a number back
+    costs nothing, the answer is exact, so the ~30 operators of the stable form are skipped on most decode steps
+    (and on the steps of H2O's sums, whose heavy token is a protected sink); on an accelerator it is always yes, so
+    that nothing waits for the device."""
+    if weights.device.type != "cpu" or weights.numel() == 0:
+        return True
+    if kept is None:
+        return weights.max().item() > 0.5
+    return ((weights > 0.5) & ~kept).any().item()
 
 
 def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -107,18 +120,21 @@ def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: tor
     return error.scatter(-1, heaviest, torch.where(top_weight > 0.5, stable, error.gather(-1, heaviest)))
 
 
-def caote_errors(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+def caote_errors(
+    weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None, kept: torch.Tensor | None = None
+) -> torch.Tensor:
     """CAOTE eviction error of every token (Goel et al., arXiv 2504.14051, Thm. 3.2), from a distribution.
 
     ``c_j = w_j / (1 - w_j) * || sum_i w_i v_i - v_j ||_2``: the exact change of the attention output when token j
     alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` already sum to 1 (`normalise_weights`:
     float32, or float64; padding has weight 0); ``values`` ``(..., N, d)`` broadcast against them (GQA: weights
     ``(B, H_kv, g, N)``, values ``(B, H_kv, 1, N, d)``). ``real`` is accepted for the same signature as
-    `fast_caote_errors`. Never NaN. `Policy.scores` calls this after its one normalisation.
+    `fast_caote_errors`; ``kept`` marks tokens whose own error nothing reads (`eviction_error`). Never NaN.
+    `Policy.scores` calls this after its one normalisation.
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
-    return eviction_error(weights, values, weighted_values(weights, values))
+    return eviction_error(weights, values, weighted_values(weights, values), kept)
 
 
 def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -132,16 +148,18 @@ def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor
     return torch.einsum("...n,...nd->...d", weights, values)
 
 
-def fast_caote_errors(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+def fast_caote_errors(
+    weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None, kept: torch.Tensor | None = None
+) -> torch.Tensor:
     """FastCAOTE (arXiv 2504.14051, §3): CAOTE with the plain mean of the values in place of ``sum_i w_i v_i``.
 
     ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; weights and values as in `caote_errors`. ``real``
     ``(..., N)`` (broadcast like the weights' leading axes) marks the tokens that are not padding: the mean is over
-    those only.
+    those only; ``kept`` as in `caote_errors`.
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
-    return eviction_error(weights, values, masked_mean(values, real))
+    return eviction_error(weights, values, masked_mean(values, real), kept)
 
 
 def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
