@@ -307,9 +307,8 @@ class EvictionLayer(DynamicLayer):
             return base.drop_unscored(self.positions, count, settings.sink_tokens)
         order = self.positions.argsort(dim=-1) if base.ordered else None
         protected = self.protected(padded)
-        scores = settings.policy.scores(
-            self._score_inputs(order, protected, padded, random, inputs), settings.aggregation
-        )
+        inputs = self._score_inputs(order, protected, padded, random, inputs)
+        scores = settings.policy.scores(inputs, settings.aggregation, fused=settings.compile_decode)
         if order is not None:  # back from position order to the slots
             scores = torch.empty_like(scores).scatter_(-1, order, scores)
         return self._lowest(self.protect(scores, protected, padded), count)

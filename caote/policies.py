@@ -305,10 +305,11 @@ class Policy:
         """Whether scoring reads the held values: the base's own reading (`BaseScore.reads`) or a CAOTE transform."""
         return "values" in self.base.reads or TRANSFORMS[self.transform] is not None
 
-    def scores(self, inputs: ScoreInputs, gqa: str = "rss") -> torch.Tensor:
+    def scores(self, inputs: ScoreInputs, gqa: str = "rss", fused: bool = False) -> torch.Tensor:
         """base score -> value-aware transform -> GQA aggregation, ``(B, H_kv, N)``, higher = keep.
 
-        Padding gets ``-inf`` before anything else, so it has no weight, no part in a mean or minimum and no vote."""
+        Padding gets ``-inf`` before anything else, so it has no weight, no part in a mean or minimum and no vote.
+        ``fused``: the transform in one compiled kernel (`caote.scoring.compiled`)."""
         base = self.base.score(inputs)
         kv_heads = inputs.positions.shape[1]
         grouped = scoring.group_query_heads(base, kv_heads) if self.base.per_query_head else base.unsqueeze(2)
@@ -322,7 +323,7 @@ class Policy:
                 grouped, signed=self.base.signed, padded=real is not None, positive=self.base.per_query_head
             )
             kept = None if inputs.kept is None or self.base.layer_wide else inputs.kept.unsqueeze(2)
-            grouped = transform(weights, inputs.values.unsqueeze(2), real, kept)
+            grouped = transform(weights, inputs.values.unsqueeze(2), real, kept, fused=fused)
         scores = scoring.aggregate_groups(grouped, how)
         if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group
             scores = scoring.aggregate_groups(scores.unsqueeze(1), how).expand_as(scores)

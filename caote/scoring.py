@@ -11,6 +11,7 @@ Shapes follow one vocabulary:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -65,10 +66,37 @@ def eviction_error(
     distance = distances(output, values)
     if not may_hold_heavy_token(weights):  # every 1 - w_j >= 1/2: the formula as written, no clamp needed
         return weights / (1.0 - weights) * distance
-    error = weights / (1.0 - weights).clamp_min(0.5) * distance
+    return stable_where_heavy(weights / (1.0 - weights).clamp_min(0.5) * distance, weights, values, kept)
+
+
+def stable_where_heavy(
+    error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | None
+) -> torch.Tensor:
+    """``error`` (the clamped formula ``w_j / max(1 - w_j, 1/2) * ||output - v_j||``) with a heavy token's entry in
+    `heaviest_token_error`'s stable form, where a row may hold one that ``kept`` does not mark."""
     if kept is not None and not may_hold_heavy_token(weights, kept):  # every heavy token stays anyway
         return error
     return heaviest_token_error(error, weights, values)
+
+
+def fused_eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """The clamped formula ``w_j / max(1 - w_j, 1/2) * ||output - v_j||_2`` as one expression, for `torch.compile`
+    to fuse into a single pass over the values (`compiled`); eager, it would hold a ``(..., N, d)`` difference."""
+    distance = (output.unsqueeze(-2) - values).pow(2).sum(-1).sqrt()
+    return weights / (1.0 - weights).clamp_min(0.5) * distance
+
+
+def fused_caote_error(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`fused_eviction_error` about the weighted output ``sum_i w_i v_i``, computed in the same expression."""
+    return fused_eviction_error(weights, values, (weights.unsqueeze(-1) * values).sum(-2))
+
+
+@functools.cache
+def compiled(function):
+    """``function`` compiled by `torch.compile` (once per process; recompiled by torch for a new shape): the opt-in
+    fused kernels of a decode step (``CacheSettings.compile_decode``). Float32 sums in another order than the eager
+    `torch.cdist` and `torch.bmm`: the errors differ from the eager ones by float32 rounding (~1e-7 relative)."""
+    return torch.compile(function)
 
 
 def distances(output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -121,7 +149,11 @@ def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: tor
 
 
 def caote_errors(
-    weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None, kept: torch.Tensor | None = None
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    real: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """CAOTE eviction error of every token (Goel et al., arXiv 2504.14051, Thm. 3.2), from a distribution.
 
@@ -129,11 +161,14 @@ def caote_errors(
     alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` already sum to 1 (`normalise_weights`:
     float32, or float64; padding has weight 0); ``values`` ``(..., N, d)`` broadcast against them (GQA: weights
     ``(B, H_kv, g, N)``, values ``(B, H_kv, 1, N, d)``). ``real`` is accepted for the same signature as
-    `fast_caote_errors`; ``kept`` marks tokens whose own error nothing reads (`eviction_error`). Never NaN.
+    `fast_caote_errors`; ``kept`` marks tokens whose own error nothing reads (`eviction_error`); ``fused``
+    computes the weighted output, the distances and the formula in one compiled kernel (`compiled`). Never NaN.
     `Policy.scores` calls this after its one normalisation.
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
+    if fused:
+        return stable_where_heavy(compiled(fused_caote_error)(weights, values), weights, values, kept)
     return eviction_error(weights, values, weighted_values(weights, values), kept)
 
 
@@ -149,16 +184,23 @@ def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor
 
 
 def fast_caote_errors(
-    weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None, kept: torch.Tensor | None = None
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    real: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """FastCAOTE (arXiv 2504.14051, §3): CAOTE with the plain mean of the values in place of ``sum_i w_i v_i``.
 
     ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; weights and values as in `caote_errors`. ``real``
     ``(..., N)`` (broadcast like the weights' leading axes) marks the tokens that are not padding: the mean is over
-    those only; ``kept`` as in `caote_errors`.
+    those only; ``kept`` and ``fused`` as in `caote_errors`.
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
+    if fused:
+        error = compiled(fused_eviction_error)(weights, values, masked_mean(values, real))
+        return stable_where_heavy(error, weights, values, kept)
     return eviction_error(weights, values, masked_mean(values, real), kept)
 
 

@@ -78,6 +78,12 @@ class CacheSettings:
         ``budget - k + 1`` and ``budget`` tokens. Prompt blocks of two or more tokens evict down to ``budget``; a
         prompt whose last block has a single token counts it as a decode step (``generate`` does not tell the cache
         which forwards are prompt chunks).
+    compile_decode:
+        Opt-in (default False): decode steps in place compute their CAOTE / FastCAOTE errors (weighted output,
+        distances, formula) in one kernel made by ``torch.compile``, a single pass over the values instead of a
+        matrix product and a ``cdist``. Faster, not bit-identical: the errors differ from the exact eager default by
+        float32 rounding (about 1e-7 relative), which can swap two nearly tied tokens. The first steps compile
+        (seconds to a minute; on a CPU it needs a C++ compiler); prompt blocks stay eager.
     """
 
     budget: int = DEFAULT_BUDGET
@@ -89,6 +95,7 @@ class CacheSettings:
     decode_eviction_interval: int = DEFAULT_DECODE_EVICTION_INTERVAL
     seed: int | None = DEFAULT_SEED
     predictor: str | None = None
+    compile_decode: bool = False
     recent: int = field(init=False, repr=False)
     aggregation: str = field(init=False, repr=False)
 
@@ -105,6 +112,8 @@ class CacheSettings:
         }
         if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
             raise ValueError(f"predictor must be the path of a file written by caote calibrate, got {self.predictor!r}")
+        if not isinstance(self.compile_decode, bool):
+            raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}")
         if self.gqa not in GQA_AGGREGATIONS:
             raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {self.gqa!r}")
         for name, value in values.items():

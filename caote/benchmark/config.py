@@ -29,6 +29,8 @@ DEFAULT_DECODE_POLICIES = (
 # 16k is past the bundled model's 8,192 positions: same weights, timed under a raised limit (`inputs.allow_positions`)
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384)
 DEFAULT_REPEATS = {2048: 3, 4096: 3, 8192: 3, 16384: 1}
+# a policy measured with its decode steps' CAOTE errors compiled (`CacheSettings.compile_decode`): "h2o+caote@compiled"
+COMPILED = "@compiled"
 TINY_LLAMA = "tiny-llama"
 # where a run writes unless told otherwise: a folder the clone ignores (.gitignore's /results/), so a quick look
 # leaves the committed results alone; the committed run names their folder
@@ -62,20 +64,28 @@ class BenchConfig:
 
     def settings(self, policy: str):
         """The `caote.settings.CacheSettings` of ``policy`` under this run's budget, block and interval."""
-        # start-up: the settings import torch, which `caote bench --help` does not need
-        from caote.settings import CacheSettings
-
-        return CacheSettings(
-            budget=self.budget,
-            policy=policy,
-            block_size=self.block_size,
-            decode_eviction_interval=self.decode_eviction_interval,
-        )
+        return policy_settings(policy, self.budget, self.block_size, self.decode_eviction_interval)
 
     def decodes(self, configuration: str) -> bool:
         return self.new_tokens > 0 and (
             configuration in (FULL_SDPA, FULL_AT_BUDGET) or configuration in self.decode_policies
         )
+
+
+def policy_settings(configuration: str, budget: int, block: int, decode_eviction_interval: int = 1):
+    """The `caote.settings.CacheSettings` of a policy configuration (a policy name, ``@compiled`` at its end for
+    `CacheSettings.compile_decode`)."""
+    # start-up: the settings import torch, which `caote bench --help` does not need
+    from caote.settings import CacheSettings
+
+    policy = configuration.removesuffix(COMPILED)
+    return CacheSettings(
+        budget=budget,
+        policy=policy,
+        block_size=block,
+        decode_eviction_interval=decode_eviction_interval,
+        compile_decode=policy != configuration,
+    )
 
 
 def validate_config(config: BenchConfig) -> None:

@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from caote.benchmark.config import FULL_AT_BUDGET, FULL_BLOCKS, FULL_SDPA
+from caote.benchmark.config import FULL_AT_BUDGET, FULL_BLOCKS, FULL_SDPA, policy_settings
 from caote.benchmark.inputs import allow_positions, load_benchmark_model
 from caote.benchmark.memory import cache_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes, weight_bytes
 from caote.cache import EvictionCache
-from caote.settings import CacheSettings
 
 _MODELS: dict[tuple[str, int], tuple] = {}
 
@@ -42,9 +41,7 @@ def configuration_cache(model, configuration: str, ids, budget: int, block: int,
         return DynamicCache(), ids, ids.shape[1]
     if configuration == FULL_BLOCKS:
         return DynamicCache(), ids, block
-    settings = CacheSettings(
-        budget=budget, policy=configuration, block_size=block, decode_eviction_interval=decode_eviction_interval
-    )
+    settings = policy_settings(configuration, budget, block, decode_eviction_interval)
     return EvictionCache(model, settings), ids, block
 
 
