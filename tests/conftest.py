@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import types
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import AutoTokenizer
 
 from caote.testing import tiny_model
 
-__all__ = ["RandomIds", "greedy", "random_ids", "tiny_model"]
+__all__ = ["RandomIds", "greedy", "needs_compiler", "random_ids", "tiny_model"]
 
 BLOCK = 32
 
@@ -102,3 +103,9 @@ def greedy(model, ids, cache, new_tokens=12, attention_mask=None, block_size=BLO
             pad_token_id=0,
             **kwargs,
         )
+
+
+# torch.compile on the CPU (`CacheSettings.compile_decode`) builds its kernels with a C++ compiler
+needs_compiler = pytest.mark.skipif(
+    not any(map(shutil.which, ("g++", "c++", "clang++"))), reason="torch.compile on the CPU needs a C++ compiler"
+)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import needs_compiler
 
 from caote import generate as caote_generate
 from caote.cli import build_parser, main
@@ -374,6 +375,22 @@ def test_sampling_is_seeded_and_greedy_stays_the_default(capsys, tiny_loaded_mod
     greedy = caote_generate(tiny_loaded_model, tokenizer, "hello there", max_new_tokens=8)
     assert answer().strip() == answer("--seed", "4").strip() == answer("--temperature", "0").strip() == greedy.strip()
     assert nucleus.strip() != greedy.strip() != sampled.strip()
+
+
+@needs_compiler
+def test_compile_decode_compiles_the_decode_steps_errors_and_answers_as_the_eager_default(capsys, tiny_loaded_model):
+    from caote import scoring
+
+    def answer(*options: str) -> str:
+        prompt = "hello there " * 40
+        code, out, err = run_main(capsys, "generate", prompt, "--no-chat", "--budget", "48", "--max-new-tokens", "6",
+                                  "--policy", "tova+caote", *options)  # fmt: skip
+        assert code == 0, err
+        return out
+
+    scoring.compiled.cache_clear()
+    assert answer("--compile-decode") == answer()
+    assert scoring.compiled.cache_info().currsize == 1  # the CAOTE kernel, made once
 
 
 def test_generate_help_explains_sampling(capsys):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prompt_then_step, random_ids, tiny_model
+from conftest import needs_compiler, prompt_then_step, random_ids, tiny_model
 
 from caote.cache import EvictionCache
 from caote.layer import FREE, EvictionLayer, evict_together
@@ -379,3 +379,33 @@ def test_a_forward_that_raises_after_every_attention_evicts_nothing_and_decoding
         assert all(layer.retained == BUDGET + 1 and layer.free.shape[-1] == 0 for layer in cache.layers)
         decode_steps(model, cache, 2)
         assert all(layer.retained == BUDGET for layer in cache.layers)
+
+
+def test_after_the_first_step_a_stack_is_a_view_of_its_layers_storage_not_a_copy():
+    """The first stacked eviction copies what the layers write in place; that copy becomes their storage, so later
+    steps stack the same layers without copying (and still keep what one layer at a time keeps)."""
+    model = tiny_model("llama")
+    ids = random_ids(3 * BLOCK, seed=8)
+    with EvictionCache(model, budget=BUDGET, policy="h2o+caote", block_size=BLOCK) as cache, torch.no_grad():
+        out = prompt_then_step(model, cache, ids, BLOCK)
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+        layers = list(cache.layers)
+        stack = EvictionLayer.stacked(layers)
+        for name in ("values", "positions", "history", "_sinks"):
+            assert getattr(stack, name).data_ptr() == getattr(layers[0], name).data_ptr(), name
+            for index, layer in enumerate(layers):
+                assert torch.equal(getattr(stack, name)[index : index + 1], getattr(layer, name)), name
+        assert stack.keys is None  # h2o+caote does not read the keys: never stacked, each layer keeps its own
+
+
+@needs_compiler
+def test_compiled_decode_scoring_keeps_what_the_eager_default_keeps():
+    model = tiny_model("llama")
+    ids = random_ids(3 * BLOCK, batch=2, seed=9)
+    settings = dict(budget=BUDGET, policy="tova+caote", block_size=BLOCK)
+    with EvictionCache(model, **settings, compile_decode=True) as compiled:
+        got = decode(model, compiled, ids, 6)
+    with EvictionCache(model, **settings) as eager:
+        want = decode(model, eager, ids, 6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(kept(compiled), kept(eager)))

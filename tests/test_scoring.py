@@ -5,6 +5,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from conftest import needs_compiler
 
 from caote import scoring
 from caote.policies import ScoreInputs, parse_policy
@@ -276,3 +277,41 @@ def test_values_broadcast_over_leading_axes_the_weights_have(score):
     weights[0, 0, 7] = 0.9  # one token above half the mass: the stable form of the heaviest token runs too
     values = torch.randn(50, 8, generator=generator)
     torch.testing.assert_close(score(weights, values), score(weights, values.expand(2, 3, 50, 8)))
+
+
+def heavy_case(seed: int):
+    """Weights (B, H_kv, g, N) whose first token holds more than half of every row, and values (B, H_kv, 1, N, d)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.rand(2, 2, 3, 12, generator=generator)
+    weights[..., 0] = 20.0
+    weights = weights / weights.sum(-1, keepdim=True)
+    return weights, torch.randn(2, 2, 1, 12, 5, generator=generator)
+
+
+@pytest.mark.parametrize("errors", [scoring.caote_errors, scoring.fast_caote_errors])
+def test_a_kept_heavy_token_skips_the_stable_form_and_leaves_every_other_error_alone(errors):
+    weights, values = heavy_case(3)
+    stable = errors(weights, values)
+    kept = torch.zeros(2, 2, 1, 12, dtype=torch.bool)
+    assert torch.equal(errors(weights, values, kept=kept), stable)  # nothing kept: the stable form as before
+    kept[..., 0] = True
+    skipped = errors(weights, values, kept=kept)
+    assert torch.equal(skipped[..., 1:], stable[..., 1:]) and torch.isfinite(skipped).all()
+    assert not torch.equal(skipped[..., 0], stable[..., 0])  # the heavy entry, which the cache never reads
+    kept[0, 0, 0, 0] = False  # one row's heavy token may be evicted: every row gets the stable form
+    assert torch.equal(errors(weights, values, kept=kept), stable)
+
+
+@needs_compiler
+@pytest.mark.parametrize("errors", [scoring.caote_errors, scoring.fast_caote_errors])
+def test_the_fused_compiled_errors_equal_the_eager_ones_up_to_float32_rounding(errors):
+    generator = torch.Generator().manual_seed(4)
+    weights = torch.softmax(torch.randn(2, 3, 2, 40, generator=generator) * 3, -1)
+    values = torch.randn(2, 3, 1, 40, 16, generator=generator)
+    eager = errors(weights, values)
+    fused = errors(weights, values, fused=True)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-7)
+    exact = errors(weights.double(), values.double())
+    assert ((fused.double() - exact).abs() / exact).max() < 1e-5  # both are float32 results of the same formula
+    weights, values = heavy_case(5)  # the heavy token still gets the stable form
+    torch.testing.assert_close(errors(weights, values, fused=True), errors(weights, values), rtol=1e-5, atol=1e-7)

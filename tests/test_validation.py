@@ -61,6 +61,13 @@ def test_budget_must_exceed_sinks_and_recent_window():
     )
 
 
+@pytest.mark.parametrize("compile_decode", [1, "yes", None])
+def test_compile_decode_must_be_a_bool(compile_decode):
+    with pytest.raises(ValueError) as error:
+        CacheSettings(budget=256, policy="tova+caote", compile_decode=compile_decode)
+    assert one_line(error) == f"compile_decode must be True or False, got {compile_decode!r}"
+
+
 @pytest.mark.parametrize("block_size", [0, -128, 12.5, "128", None])
 def test_block_size_must_be_a_positive_integer(block_size):
     with pytest.raises(ValueError) as error:
