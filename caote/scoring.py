@@ -52,29 +52,33 @@ def normalise_weights(
 
 
 def eviction_error(
-    weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor, kept: torch.Tensor | None = None
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    output: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """``w_j / (1 - w_j) * ||output - v_j||_2`` for every token j, exact for every weight.
 
-    ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them; ``output`` ``(..., d)``.
-    The formula is well conditioned as written for ``w_j <= 1/2``; the (at most one) heavier token gets
-    `heaviest_token_error`'s stable form, unless ``kept`` ``(..., N)`` (bool, broadcast against the weights) marks
-    it as a token the cache keeps whatever its score (a sink, the recent window): its entry is then finite but not
-    its exact error, which nothing reads."""
+    ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them; ``output`` ``(..., d)``
+    (None: the weighted output ``sum_i w_i v_i``). The formula is well conditioned as written for ``w_j <= 1/2``; the
+    (at most one) heavier token gets `heaviest_token_error`'s stable form, unless ``kept`` ``(..., N)`` (bool,
+    broadcast against the weights) marks it as a token the cache keeps whatever its score (a sink, the recent
+    window): its entry is then finite but not its exact error, which nothing reads. ``fused``: the output, the
+    distances and the formula in one compiled kernel (`compiled`)."""
     if values.dim() < weights.dim() + 1:  # leading axes the broadcast would add
         values = values[(None,) * (weights.dim() + 1 - values.dim())]
-    distance = distances(output, values)
-    if not may_hold_heavy_token(weights):  # every 1 - w_j >= 1/2: the formula as written, no clamp needed
-        return weights / (1.0 - weights) * distance
-    return stable_where_heavy(weights / (1.0 - weights).clamp_min(0.5) * distance, weights, values, kept)
-
-
-def stable_where_heavy(
-    error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | None
-) -> torch.Tensor:
-    """``error`` (the clamped formula ``w_j / max(1 - w_j, 1/2) * ||output - v_j||``) with a heavy token's entry in
-    `heaviest_token_error`'s stable form, where a row may hold one that ``kept`` does not mark."""
-    if kept is not None and not may_hold_heavy_token(weights, kept):  # every heavy token stays anyway
+    if fused:
+        if output is None:
+            error = compiled(fused_caote_error)(weights, values)
+        else:
+            error = compiled(fused_eviction_error)(weights, values, output)
+    else:
+        distance = distances(weighted_values(weights, values) if output is None else output, values)
+        if not may_hold_heavy_token(weights):  # every 1 - w_j >= 1/2: the formula as written, no clamp needed
+            return weights / (1.0 - weights) * distance
+        error = weights / (1.0 - weights).clamp_min(0.5) * distance
+    if (fused or kept is not None) and not may_hold_heavy_token(weights, kept):  # no heavy token, or all kept
         return error
     return heaviest_token_error(error, weights, values)
 
@@ -167,9 +171,7 @@ def caote_errors(
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
-    if fused:
-        return stable_where_heavy(compiled(fused_caote_error)(weights, values), weights, values, kept)
-    return eviction_error(weights, values, weighted_values(weights, values), kept)
+    return eviction_error(weights, values, None, kept, fused)
 
 
 def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -198,10 +200,7 @@ def fast_caote_errors(
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
-    if fused:
-        error = compiled(fused_eviction_error)(weights, values, masked_mean(values, real))
-        return stable_where_heavy(error, weights, values, kept)
-    return eviction_error(weights, values, masked_mean(values, real), kept)
+    return eviction_error(weights, values, masked_mean(values, real), kept, fused)
 
 
 def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
