@@ -308,7 +308,7 @@ class EvictionLayer(DynamicLayer):
         order = self.positions.argsort(dim=-1) if base.ordered else None
         protected = self.protected(padded)
         inputs = self._score_inputs(order, protected, padded, random, inputs)
-        scores = settings.policy.scores(inputs, settings.aggregation, fused=settings.compile_decode)
+        scores = settings.policy.scores(inputs, settings.aggregation, fused=settings.compile_decode, lowest=count)
         if order is not None:  # back from position order to the slots
             scores = torch.empty_like(scores).scatter_(-1, order, scores)
         return self._lowest(self.protect(scores, protected, padded), count)

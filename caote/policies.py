@@ -276,10 +276,20 @@ BASE_SCORES: dict[str, BaseScore] = {
     )
 }
 
-TRANSFORMS: dict[str, Callable[..., torch.Tensor] | None] = {
+
+@dataclass(frozen=True)
+class Transform:
+    """A value-aware transform: ``errors`` ``(weights, values, real, kept, fused)`` -> every token's error, and the
+    ``output`` ``(weights, values, real)`` it measures the values from (read by `caote.scoring.lowest_errors`)."""
+
+    errors: Callable[..., torch.Tensor]
+    output: Callable[..., torch.Tensor]
+
+
+TRANSFORMS: dict[str, Transform | None] = {
     "none": None,
-    "caote": scoring.caote_errors,
-    "fastcaote": scoring.fast_caote_errors,
+    "caote": Transform(scoring.caote_errors, scoring.caote_output),
+    "fastcaote": Transform(scoring.fast_caote_errors, scoring.fast_caote_output),
 }
 TRANSFORM_SUMMARIES = {
     "caote": "value-aware: ranks by the exact attention-output change w/(1-w)*||X - v|| (arXiv 2504.14051)",
@@ -305,11 +315,16 @@ class Policy:
         """Whether scoring reads the held values: the base's own reading (`BaseScore.reads`) or a CAOTE transform."""
         return "values" in self.base.reads or TRANSFORMS[self.transform] is not None
 
-    def scores(self, inputs: ScoreInputs, gqa: str = "rss", fused: bool = False) -> torch.Tensor:
+    def scores(
+        self, inputs: ScoreInputs, gqa: str = "rss", fused: bool = False, lowest: int | None = None
+    ) -> torch.Tensor:
         """base score -> value-aware transform -> GQA aggregation, ``(B, H_kv, N)``, higher = keep.
 
         Padding gets ``-inf`` before anything else, so it has no weight, no part in a mean or minimum and no vote.
-        ``fused``: the transform in one compiled kernel (`caote.scoring.compiled`)."""
+        ``fused``: the transform in one compiled kernel (`caote.scoring.compiled`). ``lowest``: the caller evicts
+        that many of the lowest-scored tokens not ``inputs.kept`` (a decode step); a value-aware transform then
+        scores directly only the tokens that can be among them, the others getting a lower bound of their score
+        (`caote.scoring.lowest_errors`; the same tokens go)."""
         base = self.base.score(inputs)
         kv_heads = inputs.positions.shape[1]
         grouped = scoring.group_query_heads(base, kv_heads) if self.base.per_query_head else base.unsqueeze(2)
@@ -323,7 +338,14 @@ class Policy:
                 grouped, signed=self.base.signed, padded=real is not None, positive=self.base.per_query_head
             )
             kept = None if inputs.kept is None or self.base.layer_wide else inputs.kept.unsqueeze(2)
-            grouped = transform(weights, inputs.values.unsqueeze(2), real, kept, fused=fused)
+            values = inputs.values.unsqueeze(2)
+            if lowest is not None and kept is not None and real is None and not fused:
+                values = values.to(weights.dtype)
+                output = transform.output(weights, values, real)
+                bounded = scoring.lowest_errors(output, weights, values, kept, lowest, how)
+                if bounded is not None:
+                    return bounded
+            grouped = transform.errors(weights, values, real, kept, fused=fused)
         scores = scoring.aggregate_groups(grouped, how)
         if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group
             scores = scoring.aggregate_groups(scores.unsqueeze(1), how).expand_as(scores)

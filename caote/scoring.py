@@ -80,7 +80,7 @@ def eviction_error(
         error = weights / (1.0 - weights).clamp_min(0.5) * distance
     if (fused or kept is not None) and not may_hold_heavy_token(weights, kept):  # no heavy token, or all kept
         return error
-    return heaviest_token_error(error, weights, values)
+    return heaviest_token_error(error, weights, values, kept)
 
 
 def fused_eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,9 @@ def may_hold_heavy_token(weights: torch.Tensor, kept: torch.Tensor | None = None
     return ((weights > 0.5) & ~kept).any().item()
 
 
-def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def heaviest_token_error(
+    error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | None = None
+) -> torch.Tensor:
     """``error`` ``(..., N)`` with the entry of the token holding more than half of a row's weight recomputed stably.
 
     For ``w_j > 1/2``, ``1 - w_j`` and ``output - v_j`` lose digits to cancellation, so the error comes from the
@@ -141,15 +143,26 @@ def heaviest_token_error(error: torch.Tensor, weights: torch.Tensor, values: tor
     ``c_j = w_j * ||X_-j / rest - v_j||``. When every other weight is exactly zero, evicting j leaves nothing to
     renormalise: its error is ``+inf`` (it always ranks first). ``weights`` ``(..., N)`` sum to 1, ``values``
     ``(..., N, d)`` with as many axes as ``weights`` plus one (size-1 axes broadcast). Callers skip it when
-    `may_hold_heavy_token` says no row has such a token."""
+    `may_hold_heavy_token` says no row has such a token; a heavy token ``kept`` marks keeps its entry as given."""
+    heaviest, heavy, stable = heaviest_token(weights, values, kept)
+    return error.scatter(-1, heaviest, torch.where(heavy, stable, error.gather(-1, heaviest)))
+
+
+def heaviest_token(weights: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | None = None) -> tuple:
+    """Each row's heaviest token: its index, whether it holds more than half the row and is not ``kept`` (bool,
+    broadcast against the weights), and its error in `heaviest_token_error`'s stable form (read where it does),
+    each ``(..., 1)``: ``w_j * ||X_-j / rest - v_j||`` with ``X_-j`` and ``rest`` the weighted sum and the weight of
+    the other tokens, ``+inf`` when they have none."""
     top_weight, heaviest = weights.max(-1, keepdim=True)
+    heavy = top_weight > 0.5
+    if kept is not None:
+        heavy &= ~kept.expand_as(weights).gather(-1, heaviest)
     others = weights.scatter(-1, heaviest, 0.0)
     rest = others.sum(-1, keepdim=True)
     without = weighted_values(others, values)  # broadcast, not expanded: no copy of the values
     top_value = torch.take_along_dim(values, heaviest.unsqueeze(-1), dim=-2).squeeze(-2)
     moved = torch.linalg.vector_norm(without / rest - top_value, dim=-1, keepdim=True)
-    stable = torch.where(rest > 0, top_weight * moved, torch.full_like(moved, math.inf))
-    return error.scatter(-1, heaviest, torch.where(top_weight > 0.5, stable, error.gather(-1, heaviest)))
+    return heaviest, heavy, torch.where(rest > 0, top_weight * moved, torch.full_like(moved, math.inf))
 
 
 def caote_errors(
@@ -201,6 +214,107 @@ def fast_caote_errors(
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
     return eviction_error(weights, values, masked_mean(values, real), kept, fused)
+
+
+def caote_output(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """The point CAOTE measures every value from: the weighted output ``sum_i w_i v_i`` (`caote_errors`)."""
+    return weighted_values(weights, values)
+
+
+def fast_caote_output(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """The point FastCAOTE measures every value from: the mean of the real values (`fast_caote_errors`)."""
+    return masked_mean(values, real)
+
+
+# The float32 rounding that separates the expanded squared distance ||x||^2 - 2 x.v + ||v||^2 from the direct one,
+# as a share of (||x|| + ||v||)^2: two head_dim-long sums (the norms, the dot product; at most gamma_n = n u each,
+# whatever the order of addition) and a few roundings more; doubled for safety. Per unit of head_dim, u = 2^-24.
+EXPANSION_ROUNDING = 2 * 2.0**-24
+# the relative margin of every bound: covers the direct path's own rounding (the distance's sum over head_dim, the
+# formula, the group's aggregation: under 100 u) and that of the bounds' arithmetic many times over
+BOUND_MARGIN = 1e-4
+# past this share of candidates the bounds save nothing: the direct path scores every token
+MOST_CANDIDATES = 0.25
+# below this many (KV row, token) pairs the bounds' ~50 extra operators cost about what the distances they save do
+# (one CPU thread, 3 query heads per KV head, head_dim 64: direct / bounded 0.148 / 0.264 ms at 4 x 3 x 65 pairs,
+# 1.04 / 1.07 ms at 30 x 3 x 129, 1.92 / 1.61 ms at 30 x 3 x 257, 4.18 / 3.63 ms at 30 x 3 x 513)
+BOUNDED_FROM = 2**14
+
+
+def lowest_errors(
+    output: torch.Tensor,
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+    count: int,
+    how: str,
+) -> torch.Tensor | None:
+    """Aggregated CAOTE / FastCAOTE errors ``(B, H_kv, N)`` for a caller that evicts the ``count`` lowest tokens not
+    ``kept``, computed directly only for the tokens that can be among them (a decode step: one or a few of N).
+
+    Every error is first bounded from the expansion ``||x - v||^2 = ||x||^2 - 2 x.v + ||v||^2`` (one matrix
+    product; it loses digits to cancellation, by at most ``e = n * EXPANSION_ROUNDING * (||x|| + ||v||)^2`` for
+    head_dim n, so ``|d - d_hat| <= sqrt(e)``), the bound carried through ``w / (1 - w)`` and the group's
+    aggregation (rss, mean and max all move by at most the sum of their inputs' moves), widened by
+    `BOUND_MARGIN`. A token whose lower bound exceeds the ``count``-th lowest upper bound cannot be evicted; its
+    entry is that lower bound. The others (the candidates) get the direct path's exact arithmetic, bit for bit
+    (`distances` of their values, `eviction_error`'s formula, `aggregate_groups`), so the ``count`` lowest entries,
+    ties included, are those of the direct path.
+
+    A token not kept that holds more than half a row's weight gets `heaviest_token_error`'s stable form, which the
+    bound does not cover: it is always a candidate and certifies nothing.
+
+    ``output`` ``(B, H_kv, g or 1, d)`` (`caote_output` / `fast_caote_output`), ``weights`` ``(B, H_kv, g, N)`` float32
+    summing to 1, ``values`` ``(B, H_kv, 1, N, d)`` float32, ``kept`` ``(B, H_kv, 1, N)`` bool. None where the
+    direct path must run: another dtype or device (an accelerator would wait for the read-back of the candidate
+    count), float32 products allowed a lower precision, fewer than `BOUNDED_FROM` (row, token) pairs, a non-finite
+    bound, fewer than ``count`` tokens not kept, or more than `MOST_CANDIDATES` of them candidates."""
+    if (
+        weights.dtype != torch.float32
+        or weights.device.type != "cpu"
+        or torch.get_float32_matmul_precision() != "highest"
+    ):
+        return None  # the bound assumes float32 products in float32 (not bfloat16 inside a "medium" matmul)
+    batch, kv_heads, group, tokens = weights.shape
+    if batch * kv_heads * tokens < BOUNDED_FROM:
+        return None
+    dim = values.shape[-1]
+    flat_values = values.reshape(batch * kv_heads, tokens, dim)
+    value_norms = torch.linalg.vector_norm(values, dim=-1)  # (B, H_kv, 1, N)
+    output_norms = torch.linalg.vector_norm(output, dim=-1, keepdim=True)  # (B, H_kv, g, 1)
+    rows = output.shape[-2]  # the group's query heads, or 1 for an output they share (FastCAOTE's mean)
+    squared = torch.baddbmm(
+        output_norms.square().view(-1, rows, 1), output.reshape(-1, rows, dim), flat_values.transpose(1, 2), alpha=-2
+    ).view(batch, kv_heads, rows, tokens)
+    distance = squared.add_(value_norms.square()).clamp_min_(0.0).sqrt_()
+    factor = weights / (1.0 - weights).clamp_min(0.5)
+    estimate = aggregate_groups(factor * distance, how)
+    reach = output_norms.amax(2) + value_norms.squeeze(2)  # (B, H_kv, N): >= ||x_q|| + ||v_j|| for every query head
+    slack = (factor.sum(2) * reach).mul_(math.sqrt(dim * EXPANSION_ROUNDING)).add_(estimate, alpha=BOUND_MARGIN)
+    kept = kept.squeeze(2)
+    upper, lower = estimate + slack, (estimate - slack).mul_(1 - BOUND_MARGIN)
+    heavy = may_hold_heavy_token(weights, kept.unsqueeze(2))
+    if heavy:  # its stable form escapes the bound: a candidate, whose upper bound certifies nothing
+        heaviest, heavier, stable = heaviest_token(weights, values, kept.unsqueeze(2))
+        at, forced = heaviest.view(batch, kv_heads, group), heavier.view(batch, kv_heads, group)
+        upper.scatter_reduce_(-1, at, torch.where(forced, math.inf, -math.inf), reduce="amax")
+        lower.scatter_reduce_(-1, at, torch.where(forced, -math.inf, math.inf), reduce="amin")
+    upper.masked_fill_(kept, math.inf)
+    lower.masked_fill_(kept, math.inf)
+    threshold = upper.amin(-1, keepdim=True) if count == 1 else upper.kthvalue(count, dim=-1, keepdim=True).values
+    if not torch.isfinite(threshold).all() or not torch.isfinite(estimate).all():
+        return None
+    candidates = int((lower <= threshold).sum(-1).max())
+    if candidates > MOST_CANDIDATES * tokens:
+        return None
+    index = lower.topk(candidates, dim=-1, largest=False).indices  # (B, H_kv, K): every candidate, perhaps more
+    chosen_values = flat_values.gather(1, index.view(batch * kv_heads, -1, 1).expand(-1, -1, dim))
+    chosen_weights = weights.gather(-1, index.unsqueeze(2).expand(-1, -1, group, -1))
+    chosen_distance = distances(output, chosen_values.view(batch, kv_heads, 1, -1, dim))
+    error = chosen_weights / (1.0 - chosen_weights).clamp_min(0.5) * chosen_distance
+    if heavy:  # as `heaviest_token_error` replaces it
+        error = torch.where((index.unsqueeze(2) == heaviest) & heavier, stable, error)
+    return lower.scatter_(-1, index, aggregate_groups(error, how))
 
 
 def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:

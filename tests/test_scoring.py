@@ -298,8 +298,10 @@ def test_a_kept_heavy_token_skips_the_stable_form_and_leaves_every_other_error_a
     skipped = errors(weights, values, kept=kept)
     assert torch.equal(skipped[..., 1:], stable[..., 1:]) and torch.isfinite(skipped).all()
     assert not torch.equal(skipped[..., 0], stable[..., 0])  # the heavy entry, which the cache never reads
-    kept[0, 0, 0, 0] = False  # one row's heavy token may be evicted: every row gets the stable form
-    assert torch.equal(errors(weights, values, kept=kept), stable)
+    kept[0, 0, 0, 0] = False  # one row's heavy token may be evicted: its rows get the stable form, no other
+    partly = errors(weights, values, kept=kept)
+    assert torch.equal(partly[0, 0], stable[0, 0]) and torch.equal(partly[..., 1:], stable[..., 1:])
+    assert torch.equal(partly[1:, ..., 0], skipped[1:, ..., 0])
 
 
 @needs_compiler
@@ -315,3 +317,85 @@ def test_the_fused_compiled_errors_equal_the_eager_ones_up_to_float32_rounding(e
     assert ((fused.double() - exact).abs() / exact).max() < 1e-5  # both are float32 results of the same formula
     weights, values = heavy_case(5)  # the heavy token still gets the stable form
     torch.testing.assert_close(errors(weights, values, fused=True), errors(weights, values), rtol=1e-5, atol=1e-7)
+
+
+def bounded_case(seed: int, tokens: int = 300, near: int = 0, heavy: bool = False, ties: bool = False):
+    """Decode-step inputs of `scoring.lowest_errors`: softmax weights over ``tokens``, values ``(2, 3, 1, N, 16)``
+    with an output of 3 query heads per KV head; ``near`` values put within 1e-5 of the output (the expansion's
+    worst case), a heavy unkept token, or every value equal to another's (exact ties)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.softmax(torch.randn(2, 3, 3, tokens, generator=generator) * 2.5, -1)
+    if heavy:
+        weights[0, 1, 2, 7] = 40.0  # unkept (not a sink, not the newest)
+        weights = weights / weights.sum(-1, keepdim=True)
+    values = torch.randn(2, 3, 1, tokens, 16, generator=generator) * 4 + 3
+    if ties:
+        values[..., tokens // 2 :, :] = values[..., : tokens - tokens // 2, :]
+        weights[..., tokens // 2 :] = weights[..., : tokens - tokens // 2]
+    output = scoring.weighted_values(weights, values)
+    for token in range(10, 10 + near):  # a value at the output: ||x - v|| ~ 1e-5 beside norms of ~20
+        values[:, :, 0, token] = output[:, :, token % 3] + 1e-5 * torch.randn(2, 3, 16, generator=generator)
+    output = scoring.weighted_values(weights, values)
+    kept = torch.zeros(2, 3, 1, tokens, dtype=torch.bool)
+    kept[..., :4] = True  # sinks
+    kept[..., -1] = True  # the newest
+    return weights, values, output, kept
+
+
+def victims(scores: torch.Tensor, kept: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` lowest unkept entries, ties to the lowest index (as `EvictionLayer._lowest`)."""
+    return scores.masked_fill(kept.squeeze(2), math.inf).argsort(dim=-1, stable=True)[..., :count]
+
+
+@pytest.mark.parametrize("output", [scoring.caote_output, scoring.fast_caote_output])
+@pytest.mark.parametrize("how", scoring.GQA_AGGREGATIONS)
+@pytest.mark.parametrize("case", [{}, {"near": 12}, {"heavy": True}, {"ties": True}, {"near": 6, "heavy": True}])
+@pytest.mark.parametrize("count", [1, 3])
+def test_bounded_errors_evict_what_the_direct_errors_evict(output, how, case, count, monkeypatch):
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)  # small cases: the bounds would give way to the direct path
+    for seed in range(3):
+        weights, values, _, kept = bounded_case(seed, **case)
+        errors = scoring.caote_errors if output is scoring.caote_output else scoring.fast_caote_errors
+        direct = aggregate_groups(errors(weights, values, kept=kept), how)
+        bounded = scoring.lowest_errors(output(weights, values), weights, values, kept, count, how)
+        assert bounded is not None
+        unkept = ~kept.squeeze(2)
+        assert (bounded[unkept] <= direct[unkept]).all()  # every entry is a lower bound
+        chosen = victims(bounded, kept, count)
+        assert torch.equal(chosen, victims(direct, kept, count))
+        assert torch.equal(bounded.gather(-1, chosen), direct.gather(-1, chosen))  # exact, bit for bit
+        assert (bounded == direct).sum() < 0.25 * bounded.numel()  # most tokens were never scored directly
+
+
+def test_bounded_errors_give_way_to_the_direct_ones_where_their_premises_fail(monkeypatch):
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    weights, values, output, kept = bounded_case(0)
+    assert scoring.lowest_errors(output.double(), weights.double(), values.double(), kept, 1, "rss") is None
+    assert scoring.lowest_errors(output, weights, values, torch.ones_like(kept), 1, "rss") is None  # all kept
+    flat = torch.full_like(weights, 1.0 / weights.shape[-1])  # every token alike: all of them candidates
+    same = torch.ones_like(values)
+    assert scoring.lowest_errors(scoring.weighted_values(flat, same), flat, same, kept, 1, "rss") is None
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")  # bfloat16 products: no bound
+    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss") is None
+
+
+def test_bounded_errors_give_way_to_the_direct_ones_below_their_size(monkeypatch):
+    weights, values, output, kept = bounded_case(2)  # 2 x 3 rows of 300 tokens
+    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss") is None
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 2 * 3 * 300)
+    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss") is not None
+
+
+def test_a_policy_told_how_many_go_scores_only_the_candidates_and_evicts_the_same(monkeypatch):
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    weights, values, _, kept = bounded_case(1, heavy=True)
+    rows = weights.view(2, 9, 1, -1)
+    inputs = ScoreInputs(
+        keys=None, values=values.squeeze(2), positions=torch.arange(300).expand(2, 3, 300), real=None,
+        history=rows, kept=kept.squeeze(2),
+    )  # fmt: skip
+    for name in ("tova+caote", "tova+fastcaote", "tova+caote/max"):
+        policy = parse_policy(name)
+        direct, bounded = policy.scores(inputs), policy.scores(inputs, lowest=2)
+        assert not torch.equal(direct, bounded)
+        assert torch.equal(victims(bounded, kept, 2), victims(direct, kept, 2))
