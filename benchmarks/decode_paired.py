@@ -7,19 +7,20 @@ python benchmarks/decode_paired.py --against /tmp/before --rounds 3  # and an ol
 python benchmarks/decode_paired.py --report-from a.json b.json        # the table of rounds saved with --out
 
 The prompt is the start of the test essays (the bundled model, blocks of 128); each configuration prefills it, then
-the configurations decode ``--steps`` greedy tokens with their steps interleaved (`measure`), and the median of the
-last ``--timed`` step times is a configuration's ms per step.
+the configurations decode ``--steps`` greedy tokens with their steps interleaved
+(`caote.benchmark.paired.interleaved_decode`, as `caote bench`'s decode rounds), and the median of the last
+``--timed`` step times is a configuration's ms per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from caote.benchmark.config import FULL_AT_BUDGET
@@ -28,47 +29,21 @@ HERE = Path(__file__).resolve().parents[1]
 
 
 def measure(contexts, budgets, policies, steps: int, timed: int) -> dict:
-    """``{"<context>/<budget>/<configuration>": ms per decode step}`` in this process (one thread). Every
-    configuration of a (context, budget) cell prefills first; then their decode steps are interleaved, one step of
-    each in turn in an order rotated at every step, so that they share the machine's load step by step (while any
-    caote cache is alive, full@b's layers pass caote's attention dispatcher: one Python call each, to the same
-    kernel)."""
+    """``{"<context>/<budget>/<configuration>": ms per decode step}`` in this process (one thread): the rounds of
+    `caote.benchmark.paired.interleaved_decode` on the bundled model and the test essays. The function comes from
+    this checkout's file, the caches from the caote the worker imports (an older checkout has no such module)."""
     import torch
 
-    from caote.benchmark.sample import configuration_cache
-    from caote.cache import EvictionCache
     from caote.evaluation.data import essays
     from caote.models import load_model
 
+    spec = importlib.util.spec_from_file_location("caote_paired", HERE / "caote" / "benchmark" / "paired.py")
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2-135m")
     ids = tokenizer("\n\n".join(essays("test")), return_tensors="pt").input_ids[:, : max(contexts)]
-    configurations = [FULL_AT_BUDGET, *policies]
-    results = {}
-    with torch.no_grad():
-        for context in contexts:
-            for budget in budgets:
-                caches, outputs, times = {}, {}, {configuration: [] for configuration in configurations}
-                for configuration in configurations:
-                    cache, prompt, block = configuration_cache(model, configuration, ids[:, :context], budget, 128)
-                    for start in range(0, prompt.shape[1], block):
-                        outputs[configuration] = model(
-                            input_ids=prompt[:, start : start + block], cache=cache, logits_to_keep=1
-                        )
-                    caches[configuration] = cache
-                for step in range(steps):
-                    turn = step % len(configurations)
-                    for configuration in configurations[turn:] + configurations[:turn]:
-                        token = outputs[configuration].logits[:, -1:].argmax(-1)
-                        began = time.perf_counter()
-                        outputs[configuration] = model(input_ids=token, cache=caches[configuration])
-                        times[configuration].append(time.perf_counter() - began)
-                for configuration in configurations:
-                    ms = 1000 * statistics.median(times[configuration][-timed:])
-                    results[f"{context}/{budget}/{configuration}"] = ms
-                    if isinstance(caches[configuration], EvictionCache):
-                        caches[configuration].close()
-    return results
+    return paired.interleaved_decode(model, ids, contexts, budgets, [FULL_AT_BUDGET, *policies], steps, timed)
 
 
 def worker(tree: Path, arguments: list[str]) -> subprocess.Popen:

@@ -61,7 +61,9 @@ class AttentionObserver(Protocol):
 
     def attends(self, module: nn.Module, queries) -> SlotViews | None: ...
 
-    def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None): ...
+    def after_attention(
+        self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None, output=None
+    ): ...
 
     def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None: ...
 
@@ -101,7 +103,7 @@ def caote_attention(backend: str, module: nn.Module, query, key, value, attentio
     views = active.cache.attends(module, query)
     if views is not None:  # one pass for the output and the row the policy reads
         output, rows = decode_attention(module, query, views, kwargs)
-        active.cache.after_attention(module, query, key, value, attention_mask, kwargs, rows)
+        active.cache.after_attention(module, query, key, value, attention_mask, kwargs, rows, output)
         return output, rows  # the weights, as the eager kernel returns them (float32, as the query)
     output = kernel(module, query, key, value, attention_mask, **kwargs)
     active.cache.after_attention(module, query, key, value, attention_mask, kwargs)

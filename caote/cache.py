@@ -349,7 +349,9 @@ class EvictionCache(Cache):
             return layer.slot_views()
         return None
 
-    def after_attention(self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None):
+    def after_attention(
+        self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None, output=None
+    ):
         """Called by caote's attention function right after ``module``'s layer attended, with the call's final
         queries ``(B, H_q, q, d)``, keys and values ``(B, H_kv, N, d)``, mask and arguments (and the probabilities
         ``rows`` when caote computed the attention, `attends`): records the layer's positions and hands it to the
@@ -373,7 +375,7 @@ class EvictionCache(Cache):
         layer.add_positions(self._shared.positions(layer, kwargs, real), real is not None)
         if self.strategy is None or self.frozen:
             return
-        self.strategy.after_attention(self, index, layer, module, queries, attention_mask, kwargs, real, rows)
+        self.strategy.after_attention(self, index, layer, module, queries, attention_mask, kwargs, real, rows, output)
         self._bytes.account(index, layer)
 
     def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None:

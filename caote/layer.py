@@ -101,6 +101,8 @@ class EvictionLayer(DynamicLayer):
         self._sinks: torch.Tensor | None = None  # in place: (B, H_kv, S) bool, the slots of the sink tokens
         self._no_free: torch.Tensor | None = None  # in place: (B, H_kv, 0), ``free`` when every slot is taken
         self._views: SlotViews | None = None  # in place: the slot buffers' views, made once (`slot_views`)
+        self._output: torch.Tensor | None = None  # in place: (B, H_kv, g, d) this step's attention output, when
+        # caote computed it (`record`'s ``call_output``)
 
     @property
     def in_place(self) -> bool:
@@ -263,11 +265,27 @@ class EvictionLayer(DynamicLayer):
         else:
             self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=-1)
 
-    def record(self, module: nn.Module, queries, mask, kwargs: dict, real: torch.Tensor | None, call_rows=None):
+    def record(
+        self,
+        module: nn.Module,
+        queries,
+        mask,
+        kwargs: dict,
+        real: torch.Tensor | None,
+        call_rows=None,
+        call_output=None,
+    ):
         """Fold the attention rows the policy's history reads into it, computing only rows it will still hold at the
         next eviction (a layer with room to spare does no scoring work). Probabilities are the family's eager
         attention over the call's final queries, in float32 under every backend, so the backend does not change
-        the kept set; ``call_rows`` are the call's own (`caote.attention.decode_attention`, `reads_row_now`)."""
+        the kept set; ``call_rows`` are the call's own (`caote.attention.decode_attention`, `reads_row_now`), and
+        ``call_output`` its output ``(B, 1, H_q, d)``, kept for the scores (`ScoreInputs.output`)."""
+        kv_heads = self.keys.shape[1]
+        self._output = (
+            None
+            if call_output is None
+            else call_output.reshape(call_output.shape[0], kv_heads, -1, call_output.shape[-1])
+        )
         history = self.settings.policy.base.history
         rows = 0 if history is None else history.rows(self.new_tokens, self.retained, self.settings.budget)
         if rows == 0:  # no history, or rows too old to reach the next eviction
@@ -330,7 +348,7 @@ class EvictionLayer(DynamicLayer):
         """What `stacked` concatenates for this layer's policy: what its scoring reads."""
         policy = self.settings.policy
         reads = ("keys",) * ("keys" in policy.base.reads) + ("values",) * policy.reads_values
-        return ("positions", "history", "free", "_sinks", "_written", "_newest") + reads
+        return ("positions", "history", "free", "_sinks", "_written", "_newest", "_output") + reads
 
     def stacked_bytes(self) -> int:
         """The bytes `stacked` copies of this layer (keys and values counted as float32, as the scores read them)."""
@@ -352,8 +370,9 @@ class EvictionLayer(DynamicLayer):
         stack = cls(first.settings)
         for name in first.stacked_names():
             tensors = [getattr(layer, name) for layer in layers]
-            whole = None if tensors[0] is None else adjacent(tensors)
-            if whole is None and tensors[0] is not None:
+            missing = any(tensor is None for tensor in tensors)  # (a call output some layer's kernel kept)
+            whole = None if missing else adjacent(tensors)
+            if whole is None and not missing:
                 whole = torch.cat(tensors)
                 if name in HELD_BY_STACK:  # the copy becomes the layers' storage: the next step stacks a view
                     for layer, own in zip(layers, whole.split(tensors[0].shape[0])):
@@ -381,6 +400,7 @@ class EvictionLayer(DynamicLayer):
             random=random,
             new_tokens=self.new_tokens,
             kept=protected,
+            output=self._output,
             **inputs,
         )
 
@@ -436,7 +456,7 @@ class EvictionLayer(DynamicLayer):
         self.new_tokens = 0
         self.padded = False
         self.positions = self.history = self.free = self._written = self._newest = self._sinks = None
-        self._no_free = self._views = None
+        self._no_free = self._views = self._output = None
 
     def _refuse(self, *args, **kwargs):
         raise ValueError(

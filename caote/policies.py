@@ -37,6 +37,8 @@ class ScoreInputs:
     new_tokens: int = 0  # how many of the tokens arrived in this forward (a prompt block's, or 1 when decoding)
     predictor: object | None = None  # the layer's `caote.learned.LayerPredictor` (the ``learned`` base)
     kept: torch.Tensor | None = None  # (B, H_kv, N) bool, the tokens that stay whatever their score (`protected`)
+    # (B, H_kv, g, d) the attention output of a decode step that attended once (`caote.attention.decode_attention`)
+    output: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ class BaseScore:
     reads both unless it says otherwise.
     ``ordered``: the score depends on the tokens' order (SnapKV's pooling and window, the random draws), so a layer
     decoding in place hands it the slots sorted by position.
+    ``distribution``: the score is already each query head's distribution over the tokens (the newest attention
+    row, a softmax), so CAOTE takes it as it is, not divided by its sum again, and its weighted output is then the
+    attention output itself (`ScoreInputs.output`, which a decode step that attended once passes on, bit for bit).
     """
 
     name: str
@@ -93,6 +98,7 @@ class BaseScore:
     rank_only: bool = False
     reads: tuple[str, ...] = ("keys", "values")
     ordered: bool = False
+    distribution: bool = False
 
     def __post_init__(self):
         if (self.keep_unscored is None) != (self.drop_unscored is None):
@@ -153,6 +159,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             ),
             history=RecentRows(1),
             per_query_head=True,
+            distribution=True,
         ),
         BaseScore(
             name="tova-layer",
@@ -166,6 +173,7 @@ BASE_SCORES: dict[str, BaseScore] = {
             history=RecentRows(1),
             per_query_head=True,
             layer_wide=True,
+            distribution=True,
         ),
         BaseScore(
             name="snapkv",
@@ -280,16 +288,19 @@ BASE_SCORES: dict[str, BaseScore] = {
 @dataclass(frozen=True)
 class Transform:
     """A value-aware transform: ``errors`` ``(weights, values, real, kept, fused)`` -> every token's error, and the
-    ``output`` ``(weights, values, real)`` it measures the values from (read by `caote.scoring.lowest_errors`)."""
+    ``output`` ``(weights, values, real)`` it measures the values from (read by `caote.scoring.lowest_errors`);
+    ``weighted``: that output is the weights' weighted sum of the values, so an attention row's is the attention
+    output."""
 
     errors: Callable[..., torch.Tensor]
     output: Callable[..., torch.Tensor]
+    weighted: bool
 
 
 TRANSFORMS: dict[str, Transform | None] = {
     "none": None,
-    "caote": Transform(scoring.caote_errors, scoring.caote_output),
-    "fastcaote": Transform(scoring.fast_caote_errors, scoring.fast_caote_output),
+    "caote": Transform(scoring.caote_errors, scoring.caote_output, weighted=True),
+    "fastcaote": Transform(scoring.fast_caote_errors, scoring.fast_caote_output, weighted=False),
 }
 TRANSFORM_SUMMARIES = {
     "caote": "value-aware: ranks by the exact attention-output change w/(1-w)*||X - v|| (arXiv 2504.14051)",
@@ -334,14 +345,20 @@ class Policy:
         transform = TRANSFORMS[self.transform]
         how = "mean" if transform is None else gqa
         if transform is not None:
-            weights = scoring.normalise_weights(
-                grouped, signed=self.base.signed, padded=real is not None, positive=self.base.per_query_head
-            )
+            if self.base.distribution and real is None:  # attention rows: already distributions
+                weights = grouped.to(scoring.compute_dtype(grouped))
+            else:
+                weights = scoring.normalise_weights(
+                    grouped, signed=self.base.signed, padded=real is not None, positive=self.base.per_query_head
+                )
             kept = None if inputs.kept is None or self.base.layer_wide else inputs.kept.unsqueeze(2)
             values = inputs.values.unsqueeze(2)
             if lowest is not None and kept is not None and real is None and not fused:
                 values = values.to(weights.dtype)
-                output = transform.output(weights, values, real)
+                if transform.weighted and self.base.distribution and inputs.output is not None:
+                    output = inputs.output.to(weights.dtype)  # the step's own: the same bmm, done once
+                else:
+                    output = transform.output(weights, values, real)
                 bounded = scoring.lowest_errors(output, weights, values, kept, lowest, how)
                 if bounded is not None:
                     return bounded

@@ -150,19 +150,35 @@ def heaviest_token_error(
 
 def heaviest_token(weights: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | None = None) -> tuple:
     """Each row's heaviest token: its index, whether it holds more than half the row and is not ``kept`` (bool,
-    broadcast against the weights), and its error in `heaviest_token_error`'s stable form (read where it does),
-    each ``(..., 1)``: ``w_j * ||X_-j / rest - v_j||`` with ``X_-j`` and ``rest`` the weighted sum and the weight of
-    the other tokens, ``+inf`` when they have none."""
+    broadcast against the weights), and its error in `heaviest_token_error`'s stable form (read only where it
+    does), each ``(..., 1)``: ``w_j * ||X_-j / rest - v_j||`` with ``X_-j`` and ``rest`` the weighted sum and the
+    weight of the other tokens, ``+inf`` when they have none. On the CPU, when such rows are few (a decode step's
+    unkept heavy tokens), only their values are read (elsewhere the error is 0)."""
     top_weight, heaviest = weights.max(-1, keepdim=True)
     heavy = top_weight > 0.5
     if kept is not None:
         heavy &= ~kept.expand_as(weights).gather(-1, heaviest)
+    if weights.device.type == "cpu" and weights.dim() > 1:  # reading back which rows is free on the CPU
+        rows = torch.nonzero(heavy.flatten()).squeeze(-1)
+        if 2 * rows.numel() <= values.shape[:-2].numel():  # few: copying their values costs less than reading all
+            at = torch.unravel_index(rows, heavy.shape[:-1])
+            own = values.expand(*weights.shape[:-1], *values.shape[-2:])[at]  # (R, N, d)
+            stable = stable_error(weights[at], own, top_weight[at], heaviest[at])
+            return heaviest, heavy, torch.zeros_like(top_weight).index_put_(at, stable)
+    return heaviest, heavy, stable_error(weights, values, top_weight, heaviest)
+
+
+def stable_error(
+    weights: torch.Tensor, values: torch.Tensor, top_weight: torch.Tensor, heaviest: torch.Tensor
+) -> torch.Tensor:
+    """`heaviest_token`'s stable form for the rows of ``weights`` ``(..., N)`` over ``values`` ``(..., N, d)``
+    (broadcast against them), given each row's ``top_weight`` and ``heaviest`` index ``(..., 1)``."""
     others = weights.scatter(-1, heaviest, 0.0)
     rest = others.sum(-1, keepdim=True)
     without = weighted_values(others, values)  # broadcast, not expanded: no copy of the values
     top_value = torch.take_along_dim(values, heaviest.unsqueeze(-1), dim=-2).squeeze(-2)
     moved = torch.linalg.vector_norm(without / rest - top_value, dim=-1, keepdim=True)
-    return heaviest, heavy, torch.where(rest > 0, top_weight * moved, torch.full_like(moved, math.inf))
+    return torch.where(rest > 0, top_weight * moved, torch.full_like(moved, math.inf))
 
 
 def caote_errors(

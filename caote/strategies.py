@@ -60,11 +60,13 @@ class Immediate:
         self.settings = settings
         self._waiting: dict[int, EvictionLayer] = {}  # a decode step's layers by index, evicted in `after_forward`
 
-    def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None):
+    def after_attention(
+        self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None, output=None
+    ):
         """Record the rows the base reads (``rows``: the call's own, when caote computed its attention), then evict
         if the layer overflows: to ``budget`` after a prompt block, ``budget - interval + 1`` after a decode step
         (a decode step in place: at the end of the forward, with the step's other layers)."""
-        layer.record(module, queries, mask, kwargs, real, rows)
+        layer.record(module, queries, mask, kwargs, real, rows, output)
         if layer.retained > self.settings.budget:
             if self.evicts_together and layer.in_place and layer.new_tokens == 1:
                 self._waiting[index] = layer
@@ -139,7 +141,9 @@ class LookAhead(Immediate):
         self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
         self._drafting = False
 
-    def after_attention(self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None):
+    def after_attention(
+        self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None, output=None
+    ):
         if self._drafting:
             self._record_draft(index, layer, module, queries, mask, kwargs, real)
         elif layer.new_tokens > 1:
@@ -147,7 +151,7 @@ class LookAhead(Immediate):
             if layer.retained > self.settings.budget:
                 self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's rows are seen
         else:
-            super().after_attention(cache, index, layer, module, queries, mask, kwargs, real, rows)
+            super().after_attention(cache, index, layer, module, queries, mask, kwargs, real, rows, output)
 
     def _record_draft(self, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
         """Keep a draft query's attention over the tokens a waiting layer held before the draft."""

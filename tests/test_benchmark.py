@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from caote.benchmark.config import TINY_LLAMA, BenchConfig
 from caote.benchmark.document import markdown_report, report_from_json
 from caote.benchmark.interval import decode_kl, interval_study, write_study
 from caote.benchmark.schedule import run_benchmark
+from caote.benchmark.stats import summarise
 
 TINY_RUN = dict(
     model=TINY_LLAMA,
@@ -73,6 +75,32 @@ def test_decoding_only_for_full_cache_and_decode_policies(tiny_run):
         assert ("decode_tokens_per_s" in sample) == decoded
         if decoded:
             assert sample["decode_tokens_per_s"] > 0 and sample["decode_kv_bytes_per_token"] > 0
+
+
+def test_decode_rounds_interleave_every_decode_policy_beside_full_at_budget(tiny_run):
+    document, out = tiny_run
+    rounds = document["decode_rounds"]
+    assert len(rounds) == 3  # the default
+    cells = {f"{context}/40/{name}" for context in (48, 96) for name in ("full@b", *TINY_RUN["decode_policies"])}
+    for measured in rounds:
+        assert set(measured["ms"]) == cells and all(ms > 0 for ms in measured["ms"].values())
+        assert len(measured["load_start"]) == 3 and len(measured["load_end"]) == 3
+    ratio = document["summary"]["ratios"]["96"]["tova+caote"]
+    each = [r["ms"]["96/40/full@b"] / r["ms"]["96/40/tova+caote"] for r in rounds]
+    assert ratio["decode_vs_full_at_budget_rounds"] == each
+    assert ratio["decode_vs_full_at_budget"] == pytest.approx(statistics.median(each))
+    limits = {t["target"]: t["limit"] for t in document["summary"]["targets"]}
+    assert limits["decode streamingllm / full@b @ 96"] == 0.95 and limits["decode tova+caote / full@b @ 96"] == 0.9
+    assert "## Decoding beside full@b, steps interleaved" in (out / "results.md").read_text()
+    sequential = summarise({**document, "decode_rounds": []})["ratios"]["96"]["tova+caote"]  # an older results.json
+    assert sequential["decode_vs_full_at_budget"] > 0 and "decode_vs_full_at_budget_rounds" not in sequential
+
+
+def test_interleaved_decode_refuses_more_timed_steps_than_it_decodes():
+    from caote.benchmark.paired import interleaved_decode
+
+    with pytest.raises(ValueError, match="timed steps"):
+        interleaved_decode(None, None, [64], [32], ["full@b"], steps=4, timed=5)
 
 
 def test_kv_bytes_are_bounded_by_budget_plus_block(tiny_run):

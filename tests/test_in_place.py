@@ -409,3 +409,35 @@ def test_compiled_decode_scoring_keeps_what_the_eager_default_keeps():
         want = decode(model, eager, ids, 6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(kept(compiled), kept(eager)))
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+@pytest.mark.parametrize(
+    "policy", ["h2o+caote", "tova+caote", "tova+fastcaote", "snapkv+caote", "knorm+caote", "tova+caote/max"]
+)
+def test_decode_steps_scoring_only_their_candidates_keep_what_scoring_every_token_keeps(policy, interval, monkeypatch):
+    """`scoring.lowest_errors` inside real decode steps (its size threshold lowered to run on a tiny model) against
+    the direct path: the same slots freed at every step, so the same logits to the bit."""
+    from caote import scoring
+
+    model = tiny_model("llama")
+    ids = random_ids(3 * BLOCK + 5, batch=2, seed=8)
+    settings = dict(budget=BUDGET, policy=policy, block_size=BLOCK, decode_eviction_interval=interval)
+    bounded = {"ran": 0}
+    lowest = scoring.lowest_errors
+
+    def counted(*args):
+        result = lowest(*args)
+        bounded["ran"] += result is not None
+        return result
+
+    monkeypatch.setattr(scoring, "lowest_errors", counted)
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    with EvictionCache(model, **settings) as candidates:
+        got = decode(model, candidates, ids, 12)
+    assert bounded["ran"] >= 12 // interval
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", float("inf"))
+    with EvictionCache(model, **settings) as every:
+        want = decode(model, every, ids, 12)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(kept(candidates), kept(every)))

@@ -62,7 +62,7 @@ def test_caote_normalises_unnormalised_weights():
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_policy_normalises_its_base_score_once_and_the_transform_reads_it_as_is(monkeypatch, padded):
     generator = torch.Generator().manual_seed(3)
-    rows = torch.rand(1, 4, 1, 20, generator=generator) * 7.5  # unnormalised attention of 4 query heads
+    sums = torch.rand(1, 4, 20, generator=generator) * 7.5  # H2O's attention sums of 4 query heads
     values = torch.randn(1, 2, 20, 8, generator=generator)
     real = torch.ones(1, 2, 20, dtype=torch.bool)
     real[..., :3] = False
@@ -71,15 +71,41 @@ def test_a_policy_normalises_its_base_score_once_and_the_transform_reads_it_as_i
     monkeypatch.setattr(scoring, "normalise_weights", lambda *a, **k: calls.append(1) or normalise(*a, **k))
     inputs = ScoreInputs(
         keys=values, values=values, positions=torch.arange(20).expand(1, 2, 20), real=real if padded else None,
-        history=rows,
+        history=sums,
     )  # fmt: skip
-    got = parse_policy("tova+caote").scores(inputs)
+    got = parse_policy("h2o+caote").scores(inputs)
     assert len(calls) == 1
-    weights = group_query_heads(rows[:, :, -1], 2)
+    weights = group_query_heads(sums, 2)
     if padded:
         weights = weights.masked_fill(~real.unsqueeze(2), 0.0)
     expected = aggregate_groups(caote_score(weights / weights.sum(-1, keepdim=True), values.unsqueeze(2)), "rss")
     torch.testing.assert_close(got[real] if padded else got, expected[real] if padded else expected)
+
+
+def test_an_attention_row_is_read_as_the_distribution_it_is_and_its_output_as_the_weighted_output(monkeypatch):
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.softmax(torch.randn(1, 4, 1, 20, generator=generator) * 2, -1)  # TOVA's newest row
+    values = torch.randn(1, 2, 20, 8, generator=generator)
+    calls = []
+    normalise = scoring.normalise_weights
+    monkeypatch.setattr(scoring, "normalise_weights", lambda *a, **k: calls.append(1) or normalise(*a, **k))
+    inputs = ScoreInputs(keys=None, values=values, positions=torch.arange(20).expand(1, 2, 20), real=None, history=rows)
+    got = parse_policy("tova+caote").scores(inputs)
+    assert not calls  # a softmax row is not divided by its sum again
+    weights = group_query_heads(rows[:, :, -1], 2)
+    torch.testing.assert_close(got, aggregate_groups(scoring.caote_errors(weights, values.unsqueeze(2)), "rss"))
+    # a decode step that attended once hands its output on: the bounded scoring reads it as the weighted output
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    kept = torch.zeros(1, 2, 20, dtype=torch.bool)
+    output = scoring.weighted_values(weights, values.unsqueeze(2))
+    seen = []
+    lowest = scoring.lowest_errors
+    monkeypatch.setattr(scoring, "lowest_errors", lambda *a: seen.append(a[0]) or lowest(*a))
+    told = ScoreInputs(**{**inputs.__dict__, "kept": kept, "output": output.clone()})
+    parse_policy("tova+caote").scores(told, lowest=1)
+    assert torch.equal(seen[-1], output) and seen[-1] is not output
+    parse_policy("h2o+caote").scores(ScoreInputs(**{**told.__dict__, "history": rows[:, :, -1]}), lowest=1)
+    assert seen[-1] is not told.output  # a sum of rows is no attention row: its own weighted output
 
 
 def test_gqa_root_sum_square_equals_error_of_concatenated_group_output():
@@ -399,3 +425,22 @@ def test_a_policy_told_how_many_go_scores_only_the_candidates_and_evicts_the_sam
         direct, bounded = policy.scores(inputs), policy.scores(inputs, lowest=2)
         assert not torch.equal(direct, bounded)
         assert torch.equal(victims(bounded, kept, 2), victims(direct, kept, 2))
+
+
+def test_the_stable_form_of_a_few_heavy_rows_reads_only_their_values_and_agrees_with_every_row_read():
+    generator = torch.Generator().manual_seed(7)
+    weights = torch.softmax(torch.randn(3, 4, 3, 12, generator=generator) * 0.3, -1)  # no token above 1/2
+    values = torch.randn(3, 4, 1, 12, 5, generator=generator)
+    weights[0, 1, 2] = torch.full((12,), 1.0).index_fill_(0, torch.tensor([3]), 30.0) / 41.0
+    weights[2, 0, 0] = torch.full((12,), 1.0).index_fill_(0, torch.tensor([0]), 30.0) / 41.0
+    kept = torch.zeros(3, 4, 1, 12, dtype=torch.bool)
+    kept[2, 0, 0, 0] = True  # that row's heavy token stays: it needs no stable form
+    heaviest, heavy, stable = scoring.heaviest_token(weights, values, kept)
+    assert heavy.sum() == 1 and heavy[0, 1, 2]  # 1 row of 12 value rows: only its values are read
+    every = scoring.stable_error(weights, values, weights.amax(-1, keepdim=True), heaviest)  # an accelerator's way
+    torch.testing.assert_close(stable[heavy], every[heavy], rtol=1e-6, atol=0)
+    assert (stable[~heavy] == 0).all()
+    weights[:, :, :, 5] = 2.0  # every row heavy: every row read
+    weights = weights / weights.sum(-1, keepdim=True)
+    heaviest, _, stable = scoring.heaviest_token(weights, values)
+    assert torch.equal(stable, scoring.stable_error(weights, values, weights.amax(-1, keepdim=True), heaviest))

@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"tokens decoded for the decoding speed (0 = skip; default {defaults.new_tokens})",
     )
     parser.add_argument(
+        "--decode-rounds",
+        type=int,
+        default=defaults.decode_rounds,
+        help="rounds of decoding with every decode policy's steps interleaved beside full@b, per context up to "
+        f"8k, for the decode targets (0 = skip; default {defaults.decode_rounds})",
+    )
+    parser.add_argument(
         "--decode-eviction-interval",
         type=int,
         default=defaults.decode_eviction_interval,
@@ -133,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         decode_policies=decode,
         new_tokens=args.new_tokens,
         decode_eviction_interval=args.decode_eviction_interval,
+        decode_rounds=args.decode_rounds,
         threads=args.threads,
         text=args.text,
         isolate=args.isolate,

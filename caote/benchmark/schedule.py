@@ -14,11 +14,18 @@ from pathlib import Path
 import torch
 import transformers
 
-from caote.benchmark.config import FULL_AT_BUDGET, BenchConfig, validate_config
+from caote.benchmark.config import (
+    DECODE_ROUNDS_UP_TO,
+    DECODE_WARM_UP,
+    FULL_AT_BUDGET,
+    BenchConfig,
+    validate_config,
+)
 from caote.benchmark.document import write_documents
 from caote.benchmark.inputs import allow_positions, prompt_ids
 from caote.benchmark.memory import load_average, weight_bytes
 from caote.benchmark.operators import operator_counts
+from caote.benchmark.paired import interleaved_decode
 from caote.benchmark.sample import model_for, run_isolated, run_sample
 from caote.benchmark.stats import summarise
 
@@ -116,6 +123,26 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
                     log(_sample_line(sample))
                     if out is not None:
                         _write_json(document, out / "results.json")
+    decoded = [context for context in evicting if context <= DECODE_ROUNDS_UP_TO]
+    if config.new_tokens and config.decode_policies and decoded and config.decode_rounds:
+        document["decode_rounds"] = []
+        for number in range(config.decode_rounds):
+            started = load_average()
+            ms = interleaved_decode(
+                model,
+                ids,
+                decoded,
+                [config.budget],
+                [FULL_AT_BUDGET, *config.decode_policies],
+                steps=config.new_tokens + DECODE_WARM_UP,
+                timed=config.new_tokens,
+                block=config.block_size,
+                interval=config.decode_eviction_interval,
+                progress=lambda cell, number=number: log(f"decode round {number + 1}: {cell}"),
+            )
+            document["decode_rounds"].append({"load_start": started, "load_end": load_average(), "ms": ms})
+            if out is not None:
+                _write_json(document, out / "results.json")
     document["meta"]["load_average_end"] = load_average()
     document["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     document["summary"] = summarise(document)

@@ -66,8 +66,8 @@ class _ReferenceCache(EvictionCache):
         super().__init__(model, cell_settings(FULL, None, block_size))
         self.future_attention = future
 
-    def after_attention(self, module, queries, keys, values, attention_mask, kwargs, rows=None) -> None:
-        super().after_attention(module, queries, keys, values, attention_mask, kwargs, rows)
+    def after_attention(self, module, queries, keys, values, attention_mask, kwargs, rows=None, output=None) -> None:
+        super().after_attention(module, queries, keys, values, attention_mask, kwargs, rows, output)
         layer = self.layers[module.layer_idx]
         if self.future_attention is None or not isinstance(layer, EvictionLayer):
             return
