@@ -348,7 +348,8 @@ class EvictionLayer(DynamicLayer):
         """What `stacked` concatenates for this layer's policy: what its scoring reads."""
         policy = self.settings.policy
         reads = ("keys",) * ("keys" in policy.base.reads) + ("values",) * policy.reads_values
-        return ("positions", "history", "free", "_sinks", "_written", "_newest", "_output") + reads
+        reads += ("_output",) * policy.reads_output
+        return ("positions", "history", "free", "_sinks", "_written", "_newest") + reads
 
     def stacked_bytes(self) -> int:
         """The bytes `stacked` copies of this layer (keys and values counted as float32, as the scores read them)."""

@@ -326,6 +326,13 @@ class Policy:
         """Whether scoring reads the held values: the base's own reading (`BaseScore.reads`) or a CAOTE transform."""
         return "values" in self.base.reads or TRANSFORMS[self.transform] is not None
 
+    @property
+    def reads_output(self) -> bool:
+        """Whether scoring reads a decode step's attention output (`ScoreInputs.output`): a weighted-output transform
+        over a base that is the attention row itself."""
+        transform = TRANSFORMS[self.transform]
+        return self.base.distribution and transform is not None and transform.weighted
+
     def scores(
         self, inputs: ScoreInputs, gqa: str = "rss", fused: bool = False, lowest: int | None = None
     ) -> torch.Tensor:
@@ -355,7 +362,7 @@ class Policy:
             values = inputs.values.unsqueeze(2)
             if lowest is not None and kept is not None and real is None and not fused:
                 values = values.to(weights.dtype)
-                if transform.weighted and self.base.distribution and inputs.output is not None:
+                if self.reads_output and inputs.output is not None:
                     output = inputs.output.to(weights.dtype)  # the step's own: the same bmm, done once
                 else:
                     output = transform.output(weights, values, real)
