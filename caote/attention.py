@@ -102,8 +102,8 @@ def caote_attention(backend: str, module: nn.Module, query, key, value, attentio
     attention_mask = active.cache.attention_mask(module, query, attention_mask, backend == "eager")
     views = active.cache.attends(module, query)
     if views is not None:  # one pass for the output and the row the policy reads
-        output, rows = decode_attention(module, query, views, kwargs)
-        active.cache.after_attention(module, query, key, value, attention_mask, kwargs, rows, output)
+        output, rows, weighted = decode_attention(module, query, views, kwargs)
+        active.cache.after_attention(module, query, key, value, attention_mask, kwargs, rows, weighted)
         return output, rows  # the weights, as the eager kernel returns them (float32, as the query)
     output = kernel(module, query, key, value, attention_mask, **kwargs)
     active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
@@ -215,8 +215,9 @@ class SlotViews(NamedTuple):
 
 def decode_attention(module: nn.Module, query: torch.Tensor, slots: SlotViews, kwargs: dict):
     """A lone decoding float32 query's attention over every slot (no mask), once for both the layer and its policy:
-    returns the output ``(B, 1, H_q, d_v)``, as the model's kernel returns it, and the probabilities
-    ``(B, H_q, 1, N)``, as `attention_probabilities` computes them.
+    returns the output ``(B, 1, H_q, d_v)``, as the model's kernel returns it, the probabilities
+    ``(B, H_q, 1, N)``, as `attention_probabilities` computes them, and the output again where it is the group's
+    ``bmm`` of those probabilities, bit for bit what `caote.scoring.weighted_values` gives (else None).
 
     ``softmax(q k^T * scaling)``, then the probabilities times the values: the model's own computation up to the
     order of additions (the cache calls it for float32 queries only, `EvictionCache.attends`). A KV head's query
@@ -224,14 +225,15 @@ def decode_attention(module: nn.Module, query: torch.Tensor, slots: SlotViews, k
     than a scaled dot product (soft-capping, attention sinks) runs its own eager function instead."""
     scaling = kwargs.get("scaling")
     if scaling is None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        return family_eager_attention(module)(
+        output, probabilities = family_eager_attention(module)(
             module, query, slots.keys, slots.values, None, **{**kwargs, "dropout": 0.0}
         )
+        return output, probabilities, None
     batch, heads, _, dim = query.shape
     groups, tokens = slots.keys_t.shape[0], slots.keys_t.shape[-1]
     probabilities = (torch.bmm(query.reshape(groups, -1, dim), slots.keys_t) * scaling).softmax(-1)
-    output = torch.bmm(probabilities, slots.flat_values)
-    return output.view(batch, 1, heads, -1), probabilities.view(batch, heads, 1, tokens)
+    output = torch.bmm(probabilities, slots.flat_values).view(batch, 1, heads, -1)
+    return output, probabilities.view(batch, heads, 1, tokens), output
 
 
 class ForwardSwitch:

@@ -306,7 +306,8 @@ def lowest_errors(
     factor = weights / (1.0 - weights).clamp_min(0.5)
     estimate = aggregate_groups(factor * distance, how)
     reach = output_norms.amax(2) + value_norms.squeeze(2)  # (B, H_kv, N): >= ||x_q|| + ||v_j|| for every query head
-    slack = (factor.sum(2) * reach).mul_(math.sqrt(dim * EXPANSION_ROUNDING)).add_(estimate, alpha=BOUND_MARGIN)
+    rounding = max(dim, 8) * EXPANSION_ROUNDING  # a few roundings beyond the sums' n u: a floor for tiny head_dims
+    slack = (factor.sum(2) * reach).mul_(math.sqrt(rounding)).add_(estimate, alpha=BOUND_MARGIN)
     kept = kept.squeeze(2)
     upper, lower = estimate + slack, (estimate - slack).mul_(1 - BOUND_MARGIN)
     heavy = may_hold_heavy_token(weights, kept.unsqueeze(2))

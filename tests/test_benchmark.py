@@ -344,3 +344,17 @@ def test_a_scored_decode_step_adds_few_operators_per_evicting_layer():
     extra = {name: entry["extra_per_layer"] for name, entry in counts["counts"].items() if name != "full@b"}
     assert all(extra[name] <= limit for name, limit in OPERATOR_LIMITS.items()), extra
     assert extra["streamingllm"] <= 10, extra
+
+
+def test_a_decode_round_counts_the_scored_steps_whatever_the_interval():
+    from caote.benchmark.paired import per_step
+
+    steps = [1.0, 1.0, 4.0] * 4  # every third step evicts
+    assert per_step(steps, 1) == 1.0  # the median step: one step in three scored, not counted
+    assert per_step(steps, 3) == 2.0  # windows of three: the scored step in each
+
+
+def test_the_decode_rounds_render_without_a_load_average(tiny_run):
+    document, _ = tiny_run
+    rounds = [{**r, "load_start": [], "load_end": []} for r in document["decode_rounds"]]
+    assert "n/a -> n/a" in markdown_report({**document, "decode_rounds": rounds})

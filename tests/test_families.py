@@ -150,14 +150,15 @@ def test_a_scored_decode_step_attends_once_with_the_family_s_own_numbers(family,
     own = caote.attention.decode_attention
 
     def checked(module, query, slots, kwargs):
-        output, rows = own(module, query, slots, kwargs)
+        output, rows, weighted = own(module, query, slots, kwargs)
+        assert weighted is None or weighted is output  # passed on only where it is the group's own bmm
         call = {**kwargs, "dropout": 0.0}
         eager = caote.attention.family_eager_attention(module)
         want_output, want_rows = eager(module, query, slots.keys, slots.values, None, **call)
         torch.testing.assert_close(output, want_output, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-7)
         fused.append(module.layer_idx)
-        return output, rows
+        return output, rows, weighted
 
     def counted(*args, **kwargs):
         second_passes.append(args[0].layer_idx)

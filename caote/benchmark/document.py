@@ -142,10 +142,15 @@ def markdown_report(document: dict) -> str:
     return "\n".join(lines)
 
 
+def _load(averages: list[float]) -> str:
+    """The 1-minute load average, or "n/a" where the machine did not say (`memory.load_average`)."""
+    return f"{averages[0]:.2f}" if averages else "n/a"
+
+
 def decode_rounds_section(rounds: list[dict], summary: dict, meta: dict) -> list[str]:
     """The decode rounds (`caote.benchmark.paired`): each policy's decode speed over full@b per round, steps
     interleaved, and the median the targets read."""
-    loads = ", ".join(f"{r['load_start'][0]:.2f} -> {r['load_end'][0]:.2f}" for r in rounds)
+    loads = ", ".join(f"{_load(r['load_start'])} -> {_load(r['load_end'])}" for r in rounds)
     lines = [
         "## Decoding beside full@b, steps interleaved",
         "",
