@@ -157,7 +157,8 @@ def decode_rounds_section(rounds: list[dict], summary: dict, meta: dict) -> list
         f"{len(rounds)} rounds; in each, every decode configuration prefills, then their "
         f"{meta['config']['new_tokens']} timed decode steps (after {DECODE_WARM_UP} untimed ones) are interleaved one "
         "step of each in turn, in an order rotated at every step, so that all see the same moment's machine; "
-        "a configuration's ms per step is the median of its steps, the ratio full@b's ms over its own, per round "
+        "a configuration's ms per step is the median over windows of decode-interval steps of their mean (at interval "
+        "1 the median step), the ratio full@b's ms over its own, per round "
         f"(load average at each round's start -> end: {loads}). The decode-vs-full@b targets read these medians.",
         "",
         "| context | policy | decode vs full@b (median) | per round |",
