@@ -308,16 +308,15 @@ def lowest_errors(
     reach = output_norms.amax(2) + value_norms.squeeze(2)  # (B, H_kv, N): >= ||x_q|| + ||v_j|| for every query head
     rounding = max(dim, 8) * EXPANSION_ROUNDING  # a few roundings beyond the sums' n u: a floor for tiny head_dims
     slack = (factor.sum(2) * reach).mul_(math.sqrt(rounding)).add_(estimate, alpha=BOUND_MARGIN)
-    kept = kept.squeeze(2)
     upper, lower = estimate + slack, (estimate - slack).mul_(1 - BOUND_MARGIN)
-    heavy = may_hold_heavy_token(weights, kept.unsqueeze(2))
+    heavy = may_hold_heavy_token(weights, kept)
     if heavy:  # its stable form escapes the bound: a candidate, whose upper bound certifies nothing
-        heaviest, heavier, stable = heaviest_token(weights, values, kept.unsqueeze(2))
+        heaviest, heavier, stable = heaviest_token(weights, values, kept)
         at, forced = heaviest.view(batch, kv_heads, group), heavier.view(batch, kv_heads, group)
         upper.scatter_reduce_(-1, at, torch.where(forced, math.inf, -math.inf), reduce="amax")
         lower.scatter_reduce_(-1, at, torch.where(forced, -math.inf, math.inf), reduce="amin")
-    upper.masked_fill_(kept, math.inf)
-    lower.masked_fill_(kept, math.inf)
+    upper.masked_fill_(kept.squeeze(2), math.inf)
+    lower.masked_fill_(kept.squeeze(2), math.inf)
     threshold = upper.amin(-1, keepdim=True) if count == 1 else upper.kthvalue(count, dim=-1, keepdim=True).values
     if not torch.isfinite(threshold).all() or not torch.isfinite(estimate).all():
         return None
