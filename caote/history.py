@@ -55,16 +55,17 @@ class RecentRows:
 
 
 # rows of `SumAndRecent`'s tensor
-KEY_TERM, KEY_TERM_POSITION, RECENT_START = 3, 4, 5
+KEY_TERM, KEY_TERM_POSITION, PREDICTION, PREDICTION_POSITION, RECENT_START = 3, 4, 5, 6, 7
 
 
 @dataclass(frozen=True)
 class SumAndRecent:
-    """What the ``learned`` base reads (`caote.learned`), in one tensor ``(B, H_q, 5 + <=window, N)``: row 0 the
+    """What the ``learned`` base reads (`caote.learned`), in one tensor ``(B, H_q, 7 + <=window, N)``: row 0 the
     running sum of every row (H2O's), row 1 the sum and row 2 the maximum of the newest prompt block's rows (kept
-    through decode steps, which fold into rows 0 and 5+ only), row 3 the token's key term of the predictor and row 4
+    through decode steps, which fold into rows 0 and 7+ only), row 3 the token's key term of the predictor and row 4
     the position it was computed for, plus one (0: none yet; `caote.learned.LayerPredictor.remember_keys` fills
-    them, and they travel with the token like every row), rows 5+ the newest ``window`` rows."""
+    them), row 5 the token's last predicted log future mass and row 6 its position plus one (`caote.learned.
+    LayerPredictor.predict`), rows 7+ the newest ``window`` rows. Rows 3-6 travel with the token like every row."""
 
     window: int
 
@@ -82,16 +83,16 @@ class SumAndRecent:
             recent[:, :, -1] = rows[:, :, 0]
             return history
         if history is not None and history.shape[-1] < tokens:
-            history = F.pad(history, (0, tokens - history.shape[-1]))  # new tokens: no key term yet
+            history = F.pad(history, (0, tokens - history.shape[-1]))  # new tokens: no key term nor prediction yet
         total = accumulate_attention(None if history is None else history[:, :, 0], rows)
         if rows.shape[-2] > 1 or history is None:
             block = [rows.sum(-2), rows.amax(-2)]
         else:
             block = [history[:, :, 1], history[:, :, 2]]
         if history is None:
-            remembered = [torch.zeros_like(total), torch.zeros_like(total)]
+            remembered = [torch.zeros_like(total)] * (RECENT_START - KEY_TERM)
         else:
-            remembered = [history[:, :, KEY_TERM], history[:, :, KEY_TERM_POSITION]]
+            remembered = [history[:, :, row] for row in range(KEY_TERM, RECENT_START)]
         recent = keep_recent_rows(None if history is None else history[:, :, RECENT_START:], rows, self.window)
         return torch.cat([torch.stack([total, *block, *remembered], dim=2), recent], dim=2)
 

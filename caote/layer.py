@@ -472,14 +472,15 @@ def evict_together(
     layers: dict[int, EvictionLayer],
     kept: int,
     random: Callable[[], torch.Generator],
-    inputs: Callable[[dict[int, EvictionLayer]], dict] = lambda stack: {},
+    inputs: Callable[[dict[int, EvictionLayer], EvictionLayer], dict] = lambda layers, stack: {},
 ) -> None:
     """Evict the ``layers`` (by layer index) of one decode step, each decoding in place and holding more than
     ``kept`` tokens, as one: every group of equal `EvictionLayer.stack_key` is scored as a single stack of its
     layers' batch rows (`EvictionLayer.stacked`; split into stacks of at most `STACK_BYTES` copied), so
     the ~35 operators of a scored step run once per stack instead of once per layer, and each layer frees its own
     rows' slots. ``inputs`` gives a stack's extra `ScoreInputs` from its
-    layers (the learned policy's predictor of those layers). The same arithmetic row by row as evicting them one at
+    layers (by index) and the stack (the learned policy's predictor of those layers; what it writes to the stack's
+    history or keys, the layers' storage, is theirs). The same arithmetic row by row as evicting them one at
     a time (and the same draws of the random base, taken in layer order)."""
     groups: dict[tuple, list[int]] = {}
     for index, layer in layers.items():
@@ -494,8 +495,8 @@ def evict_together(
         per_stack = max(1, STACK_BYTES // first.stacked_bytes())
         for start in range(0, len(indices), per_stack):
             stack = {index: layers[index] for index in indices[start : start + per_stack]}
-            extra = inputs(stack)  # before stacking: it may write to the layers
             together = EvictionLayer.stacked(list(stack.values()))
+            extra = inputs(stack, together)
             slots = together.slots_to_free(count, random, extra)
             for layer, own in zip(stack.values(), slots.split(first.positions.shape[0])):
                 layer._free_slots(own)

@@ -16,7 +16,10 @@ model needs a predictor file (`Predictor`; the bundled models ship one).
 
 Calibration evicts after prompt blocks only (teacher-forced texts), so the features of a decode step, whose
 "block" is the newest decoded queries and whose candidates are never new, are read with weights fitted on prompt
-blocks: the policy runs there, uncalibrated for that case.
+blocks: the policy runs there, uncalibrated for that case. A decode step predicts afresh only every
+`PREDICTION_REFRESH` steps (or when a token would leave the protected window unpredicted); in between, each token
+keeps its last prediction (rows of the layer's history that travel with it) and the tokens that arrived since, all
+protected, weigh nothing in the transform. Prompt blocks always predict afresh.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from caote.history import KEY_TERM, KEY_TERM_POSITION, RECENT_START
+from caote.history import KEY_TERM, KEY_TERM_POSITION, PREDICTION, PREDICTION_POSITION, RECENT_START
 from caote.scoring import aggregate_groups, caote_errors, group_query_heads, normalise_weights
 
 FEATURE_SET = "caote-learned-1"  # bump when the features below change: a predictor of another set is refused
@@ -41,6 +45,12 @@ RECENT_ROWS = 16  # the newest query rows the features read
 # newest tokens the learned policies protect (and calibration assumes): 16 gave lower KL than H2O's half budget on
 # held-out dev essays at budgets 128 and 256 (docs/results.md, "Learned from hindsight")
 LEARNED_RECENT = 16
+# a decode step predicts every held token afresh only once a token has waited this many steps for a prediction (or
+# would leave the protected window without one); in between it reuses each token's last prediction, and the tokens
+# not yet predicted (all protected) take no part in the transform. 1: every step predicts afresh. 16 (the protected
+# window) gave the lowest decode-step KL of 1 / 4 / 8 / 16 on 12 dev essays at budgets 128 and 256, besides the
+# lowest cost (docs/performance.md, "The learned policy's decode step")
+PREDICTION_REFRESH = 16
 EPSILON = 1e-6  # inside every log of an attention mass (the target's too)
 SCALARS = (
     "log_sum",
@@ -347,7 +357,7 @@ def linear_map(features: torch.Tensor, weights: torch.Tensor, feature_major: boo
 
 class LayerPredictor:
     """One layer's map from features to predicted log future mass: ``(B, H_kv, N, F) @ (H_kv, F)`` (or a stack of
-    layers' with weights ``(B, H_kv, F)``, `Predictor.stacked`: it predicts, the layers remember their own keys).
+    layers' with weights ``(B, H_kv, F)``, `Predictor.stacked`, which remembers the keys of the stack's layers).
 
     The key's part of the sum, ``w_key . [k_j, k_j^2]`` with RoPE undone, never changes for a token, so it is
     computed once per token (`remember_keys`) and kept in the layer's history; a step computes the other columns."""
@@ -364,8 +374,9 @@ class LayerPredictor:
         return slice(start, start + 2 * head_dim)
 
     def remember_keys(self, layer) -> None:
-        """Write the key term of every real token of ``layer`` that lacks one (new since the last eviction) into
-        its history (`caote.history.SumAndRecent`: rows ``KEY_TERM`` and ``KEY_TERM_POSITION``)."""
+        """Write the key term of every real token of ``layer`` (or of a stack of layers, `caote.layer.evict_together`)
+        that lacks one (new since the last eviction) into its history (`caote.history.SumAndRecent`: rows
+        ``KEY_TERM`` and ``KEY_TERM_POSITION``)."""
         if "key" not in self.groups:
             return
         history, positions = layer.history, layer.positions
@@ -374,21 +385,42 @@ class LayerPredictor:
         least, most = torch.stack(torch.aminmax(missing.sum(-1))).tolist()  # one read back
         if most == 0:
             return
-        if least == most:  # as many in every KV head (a prompt block, a decode step): just those
+        if least == most == 1:  # one in every KV head (a decode step): that one
+            slots = missing.to(torch.int8).argmax(dim=-1, keepdim=True)
+        elif least == most:  # as many in every KV head (a prompt block): just those
             slots = missing.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :most]
         else:
             slots = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
         held = positions.gather(2, slots)
         keys = layer.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]))
         key = self.unrotate(keys.float(), held.clamp_min(0))
-        term = linear_map(torch.cat([key, key.square()], dim=-1), self.weights[:, self._key_columns(key.shape[-1])])
+        term = linear_map(torch.cat([key, key.square()], dim=-1), self.weights[..., self._key_columns(key.shape[-1])])
         index = slots.repeat_interleave(group, dim=1)
         history[:, :, KEY_TERM].scatter_(-1, index, term.repeat_interleave(group, dim=1).to(history.dtype))
         remembered = (held + 1).repeat_interleave(group, dim=1).to(history.dtype)
         history[:, :, KEY_TERM_POSITION].scatter_(-1, index, remembered)
 
     def predict(self, inputs) -> torch.Tensor:
-        """``(B, H_kv, N)`` predicted log future mass of every token held (the key terms from the history)."""
+        """``(B, H_kv, N)`` predicted log future mass of every token held: fresh (`fresh`, then kept in the history's
+        prediction rows), or at a decode step whose tokens are not yet due (`PREDICTION_REFRESH`), each token's
+        last prediction, ``-inf`` for the tokens not yet predicted (all of them protected)."""
+        history = inputs.history
+        group = history.shape[1] // inputs.positions.shape[1]
+        predicted = history[:, ::group, PREDICTION_POSITION] == inputs.positions + 1
+        if inputs.new_tokens == 1 and PREDICTION_REFRESH > 1 and inputs.kept is not None:
+            waiting = ~predicted & (inputs.positions >= 0)
+            newest = inputs.positions.amax(-1, keepdim=True)
+            overdue = ~inputs.kept | (inputs.positions <= newest - PREDICTION_REFRESH + 1)
+            if not bool((waiting & overdue).any()):
+                return history[:, ::group, PREDICTION].float().masked_fill(~predicted, -math.inf)
+        fresh = self.fresh(inputs)
+        history[:, :, PREDICTION] = fresh.repeat_interleave(group, dim=1).to(history.dtype)
+        history[:, :, PREDICTION_POSITION] = (inputs.positions + 1).repeat_interleave(group, dim=1).to(history.dtype)
+        return fresh
+
+    def fresh(self, inputs) -> torch.Tensor:
+        """``(B, H_kv, N)`` predicted log future mass of every token held, from this step's features (the key terms
+        from the history)."""
         if "key" not in self.groups:
             return linear_map(self.features(inputs), self.weights)
         group = inputs.history.shape[1] // inputs.positions.shape[1]

@@ -256,7 +256,7 @@ BASE_SCORES: dict[str, BaseScore] = {
         ),
         BaseScore(
             name="learned",
-            reads=("values",),
+            reads=("keys", "values"),  # the keys: the predictor's key terms of new tokens (`remember_keys`)
             score=learned_score,
             about=About(
                 "beyond the paper: each token's future attention predicted by a per-(layer, KV head) linear map of "

@@ -21,7 +21,7 @@ from torch import nn
 
 from caote.attention import attention_probabilities
 from caote.future import FutureAttention
-from caote.history import KEY_TERM_POSITION
+from caote.history import KEY_TERM_POSITION, PREDICTION_POSITION
 from caote.layer import EvictionLayer, evict_together
 from caote.learned import Predictor, rotary_inverse
 from caote.lookahead import draft
@@ -88,8 +88,8 @@ class Immediate:
         evict_together(waiting, self.settings.kept_after(1), cache.random_generator, self.stack_inputs)
         return list(waiting)
 
-    def stack_inputs(self, layers: dict[int, EvictionLayer]) -> dict:
-        """The extra `ScoreInputs` of ``layers`` (by index) scored together as one stack: none."""
+    def stack_inputs(self, layers: dict[int, EvictionLayer], stack: EvictionLayer) -> dict:
+        """The extra `ScoreInputs` of ``layers`` (by index) scored together as ``stack``: none."""
         return {}
 
     def restored(self, layers: list) -> None:
@@ -202,12 +202,12 @@ class Learned(Immediate):
         self.evicts_together = not stand_in
 
     def restored(self, layers: list) -> None:
-        """A snapshot may come from a cache with another predictor: its layers' remembered key terms are computed
-        again at their next eviction (`caote.learned.LayerPredictor.remember_keys`; the snapshot keeps its own)."""
+        """A snapshot may come from a cache with another predictor: its layers' remembered key terms and predictions
+        are computed again at their next eviction (`caote.learned.LayerPredictor`; the snapshot keeps its own)."""
         for layer in layers:
             if getattr(layer, "history", None) is not None and layer.history.dim() == 4:
                 layer.history = layer.history.clone()
-                layer.history[:, :, KEY_TERM_POSITION] = 0.0
+                layer.history[:, :, [KEY_TERM_POSITION, PREDICTION_POSITION]] = 0.0
 
     def inputs(self, index: int, layer) -> dict:
         inputs = {"predictor": self.remembered(index, layer)}
@@ -222,13 +222,14 @@ class Learned(Immediate):
         predictor.remember_keys(layer)
         return predictor
 
-    def stack_inputs(self, layers: dict) -> dict:
-        """The key terms of each layer's new tokens remembered, then one predictor whose rows are the layers'
-        (`caote.learned.Predictor.stacked`)."""
-        for index, layer in layers.items():
-            self.remembered(index, layer)
+    def stack_inputs(self, layers: dict, stack: EvictionLayer) -> dict:
+        """One predictor whose rows are the layers' (`caote.learned.Predictor.stacked`), having remembered the key
+        terms of the stack's new tokens: one pass for every layer of a decode step (the stack's history and keys
+        are the layers' own storage, `caote.layer.HELD_BY_STACK`, so the terms land in the layers)."""
         batch = next(iter(layers.values())).positions.shape[0]
-        return {"predictor": self.predictor.stacked(list(layers), batch, self.unrotate, self.settings.sink_tokens)}
+        predictor = self.predictor.stacked(list(layers), batch, self.unrotate, self.settings.sink_tokens)
+        predictor.remember_keys(stack)
+        return {"predictor": predictor}
 
 
 STRATEGIES = {"immediate": Immediate, "hindsight": Hindsight, "lookahead": LookAhead, "learned": Learned}

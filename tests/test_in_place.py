@@ -358,7 +358,7 @@ def test_a_stack_holds_at_most_stack_bytes_of_values(monkeypatch):
     reference = [layer.detached_copy() for layer in layers]
     stacks = []
     monkeypatch.setattr(caote.layer, "STACK_BYTES", 4 * layers[0].values.numel())  # one layer's float32 values
-    evict_together(dict(enumerate(layers)), BUDGET, lambda: None, lambda stack: stacks.append(list(stack)) or {})
+    evict_together(dict(enumerate(layers)), BUDGET, lambda: None, lambda each, stack: stacks.append(list(each)) or {})
     assert stacks == [[index] for index in range(len(layers))]
     evict_together(dict(enumerate(reference)), BUDGET, lambda: None)  # every layer in one stack
     for layer, together in zip(layers, reference):

@@ -18,7 +18,6 @@ from caote.evaluation.calibration import (
 )
 from caote.evaluation.tasks import Text
 from caote.history import RECENT_START, AttentionSum, RecentRows, SumAndRecent
-from caote.layer import EvictionLayer
 from caote.learned import PREDICTOR_DIR, Predictor, feature_names, model_fingerprint, rotary_inverse
 from caote.policies import parse_policy, policy_names
 from caote.settings import CacheSettings
@@ -227,20 +226,21 @@ def test_the_grammar_names_the_learned_policies_everywhere():
         parse_policy("lerned+caote")
 
 
-def with_keys_stacked(monkeypatch) -> None:
-    """A decode step's layers scored together stack their keys too (the learned policy reads only their key terms,
-    so they are left out): the tests below compute every feature column from them."""
-    names = EvictionLayer.stacked_names
-    monkeypatch.setattr(EvictionLayer, "stacked_names", lambda self: (*names(self), "keys"))
+def every_step_fresh(monkeypatch) -> None:
+    """Every decode step predicts afresh (`PREDICTION_REFRESH` 1): the tests below compare each fresh prediction
+    with every feature column computed from the keys."""
+    import caote.learned
+
+    monkeypatch.setattr(caote.learned, "PREDICTION_REFRESH", 1)
 
 
 def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama, monkeypatch):
     from caote.learned import LayerPredictor, token_features
 
-    with_keys_stacked(monkeypatch)
+    every_step_fresh(monkeypatch)
 
     checked, unrotated = [], []
-    real_predict = LayerPredictor.predict
+    real_predict = LayerPredictor.fresh
 
     def compared(self, inputs):
         split = real_predict(self, inputs)
@@ -250,19 +250,20 @@ def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama,
         checked.append(inputs.new_tokens)
         return split
 
-    monkeypatch.setattr(LayerPredictor, "predict", compared)
+    monkeypatch.setattr(LayerPredictor, "fresh", compared)
     cache = EvictionCache(llama, budget=48, policy="learned+caote", block_size=32)
     real_unrotate = cache.strategy.unrotate
 
     def counting(keys, positions):
-        unrotated.append(keys.shape[2])
+        unrotated.append(tuple(keys.shape[:3]))
         return real_unrotate(keys, positions)
 
     cache.strategy.unrotate = counting
     greedy(llama, random_ids(100, seed=3), cache, new_tokens=6)
     assert 32 in checked and 1 in checked  # prompt blocks and decode steps (in place)
     layers = llama.config.num_hidden_layers
-    assert unrotated[-layers:] == [1] * layers  # a decode step undoes RoPE for its one new token only
+    kv_heads = llama.config.num_key_value_heads
+    assert unrotated[-1] == (layers, kv_heads, 1)  # a decode step undoes RoPE once: the new token of every layer
 
     def turn(seed: int) -> None:  # a new prompt turn, then two decode steps, each a forward of its own
         seen = cache.get_seq_length()
@@ -283,9 +284,9 @@ def test_remembered_key_terms_give_the_prediction_of_every_feature_column(llama,
 def test_key_terms_in_a_left_padded_batch_and_after_a_snapshot_of_another_predictor(llama, monkeypatch):
     from caote.learned import LayerPredictor, token_features
 
-    with_keys_stacked(monkeypatch)
+    every_step_fresh(monkeypatch)
 
-    real_predict, calls = LayerPredictor.predict, []
+    real_predict, calls = LayerPredictor.fresh, []
 
     def compared(self, inputs):
         split = real_predict(self, inputs)
@@ -296,7 +297,7 @@ def test_key_terms_in_a_left_padded_batch_and_after_a_snapshot_of_another_predic
         calls.append(int((~real).sum()))
         return split
 
-    monkeypatch.setattr(LayerPredictor, "predict", compared)
+    monkeypatch.setattr(LayerPredictor, "fresh", compared)
     ids = torch.cat([random_ids(90, seed=6), random_ids(90, seed=7)])
     mask = torch.ones_like(ids)
     mask[1, :11] = 0  # row 1: 11 padding tokens, so its KV heads hold fewer real tokens to remember than row 0's
@@ -327,3 +328,50 @@ def test_a_predictor_of_the_key_alone_predicts(llama):
         "model", "fingerprint", "texts", "details")])  # fmt: skip
     out = greedy(llama, random_ids(100, seed=10), cache, new_tokens=3)
     assert out.shape[-1] == 103
+
+
+@pytest.mark.parametrize("recent_window", [None, 2])  # the policy's 16 newest tokens; fewer than a refresh's wait
+def test_decode_steps_reuse_predictions_until_a_token_is_due(llama, recent_window, monkeypatch):
+    """Between refreshes a decode step scores with each token's last prediction: every token it may evict has one,
+    the tokens not yet predicted are protected, and a fresh prediction comes once a token has waited
+    `PREDICTION_REFRESH` - 1 steps or is about to leave the protected window."""
+    import caote.learned
+    from caote.learned import PREDICTION_REFRESH, LayerPredictor
+
+    real_predict, real_fresh = LayerPredictor.predict, LayerPredictor.fresh
+    steps, last = [], {}  # per decode step (one stack of every layer): whether it predicted afresh; the last fresh
+
+    def fresh(self, inputs):
+        if inputs.new_tokens == 1:
+            steps[-1] = True
+        return real_fresh(self, inputs)
+
+    def predict(self, inputs):
+        if inputs.new_tokens == 1:
+            steps.append(False)
+        predicted = real_predict(self, inputs)
+        if inputs.new_tokens == 1:
+            evictable = ~inputs.kept & (inputs.positions >= 0)
+            assert torch.isfinite(predicted[evictable]).all()  # no token that can go lacks a prediction
+            if steps[-1]:
+                last.update(positions=inputs.positions.clone(), predicted=predicted.clone())
+            elif last:  # reused: the last fresh step's prediction of every token still in its slot
+                same = inputs.positions == last["positions"]
+                assert torch.equal(predicted[same], last["predicted"][same])
+                assert not torch.isfinite(predicted[~same & (inputs.positions >= 0)]).any()  # new since: none
+        return predicted
+
+    monkeypatch.setattr(LayerPredictor, "predict", predict)
+    monkeypatch.setattr(LayerPredictor, "fresh", fresh)
+    settings = CacheSettings(budget=48, policy="learned+caote", block_size=32, recent_window=recent_window)
+    greedy(llama, random_ids(100, seed=4), EvictionCache(llama, settings), new_tokens=30)
+    assert len(steps) >= 25 and any(steps) and not all(steps)
+    fresh_steps = [index for index, fresh_now in enumerate(steps) if fresh_now]
+    # a fresh step, then PREDICTION_REFRESH - 1 steps reusing it; with a window of 2 a token arriving after a fresh
+    # step leaves the window 2 steps later: a fresh step every 3
+    gap = PREDICTION_REFRESH if recent_window is None else recent_window + 1
+    assert all(b - a == gap for a, b in zip(fresh_steps, fresh_steps[1:]))
+    monkeypatch.setattr(caote.learned, "PREDICTION_REFRESH", 1)
+    steps.clear()
+    greedy(llama, random_ids(100, seed=4), EvictionCache(llama, settings), new_tokens=10)
+    assert all(steps)  # 1: every step predicts afresh
