@@ -45,8 +45,9 @@ RECENT_ROWS = 16  # the newest query rows the features read
 # newest tokens the learned policies protect (and calibration assumes): 16 gave lower KL than H2O's half budget on
 # held-out dev essays at budgets 128 and 256 (docs/results.md, "Learned from hindsight")
 LEARNED_RECENT = 16
-# a decode step predicts every held token afresh only once a token has waited this many steps for a prediction (or
-# would leave the protected window without one); in between it reuses each token's last prediction, and the tokens
+# a decode step predicts every held token afresh once in this many steps (when a token has waited one step fewer for
+# a prediction, or would leave the protected window without one); in between it reuses each token's last prediction
+# (from the history, so a base reading a gathered copy of it would predict afresh every step), and the tokens
 # not yet predicted (all protected) take no part in the transform. 1: every step predicts afresh. 16 (the protected
 # window) gave the lowest decode-step KL of 1 / 4 / 8 / 16 on 12 dev essays at budgets 128 and 256, besides the
 # lowest cost (docs/performance.md, "The learned policy's decode step")

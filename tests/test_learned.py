@@ -17,7 +17,14 @@ from caote.evaluation.calibration import (
     check_disjoint,
 )
 from caote.evaluation.tasks import Text
-from caote.history import RECENT_START, AttentionSum, RecentRows, SumAndRecent
+from caote.history import (
+    KEY_TERM_POSITION,
+    PREDICTION_POSITION,
+    RECENT_START,
+    AttentionSum,
+    RecentRows,
+    SumAndRecent,
+)
 from caote.learned import PREDICTOR_DIR, Predictor, feature_names, model_fingerprint, rotary_inverse
 from caote.policies import parse_policy, policy_names
 from caote.settings import CacheSettings
@@ -313,8 +320,10 @@ def test_key_terms_in_a_left_padded_batch_and_after_a_snapshot_of_another_predic
     second.strategy.predictor = other
     second.restore(snapshot)
     layer = next(layer for layer in second.layers if layer.history is not None)
-    assert not bool(layer.history[:, :, 4].any())  # the first predictor's key terms are not reused
-    assert bool(snapshot.layers[0].history[:, :, 4].any())  # ... and the snapshot keeps its own
+    assert not bool(layer.history[:, :, KEY_TERM_POSITION].any())  # the first predictor's key terms are not reused
+    assert not bool(layer.history[:, :, PREDICTION_POSITION].any())  # nor its predictions
+    assert bool(snapshot.layers[0].history[:, :, KEY_TERM_POSITION].any())  # ... and the snapshot keeps its own
+    assert bool(snapshot.layers[0].history[:, :, PREDICTION_POSITION].any())
     seen = second.get_seq_length()
     with torch.no_grad():  # a decode step: every key term of the second predictor, compared above
         llama(input_ids=random_ids(1, seed=9), attention_mask=torch.ones(1, seen + 1, dtype=torch.long), cache=second)
@@ -330,8 +339,10 @@ def test_a_predictor_of_the_key_alone_predicts(llama):
     assert out.shape[-1] == 103
 
 
-@pytest.mark.parametrize("recent_window", [None, 2])  # the policy's 16 newest tokens; fewer than a refresh's wait
-def test_decode_steps_reuse_predictions_until_a_token_is_due(llama, recent_window, monkeypatch):
+# the policy's 16 newest tokens (a token leaves the window the step after it is due); 2 (it leaves first: a fresh step
+# every 3); 32 (the wait alone makes tokens due)
+@pytest.mark.parametrize(("recent_window", "first", "gap"), [(None, 15, 16), (2, 2, 3), (32, 15, 16)])
+def test_decode_steps_reuse_predictions_until_a_token_is_due(llama, recent_window, first, gap, monkeypatch):
     """Between refreshes a decode step scores with each token's last prediction: every token it may evict has one,
     the tokens not yet predicted are protected, and a fresh prediction comes once a token has waited
     `PREDICTION_REFRESH` - 1 steps or is about to leave the protected window."""
@@ -364,12 +375,10 @@ def test_decode_steps_reuse_predictions_until_a_token_is_due(llama, recent_windo
     monkeypatch.setattr(LayerPredictor, "predict", predict)
     monkeypatch.setattr(LayerPredictor, "fresh", fresh)
     settings = CacheSettings(budget=48, policy="learned+caote", block_size=32, recent_window=recent_window)
-    greedy(llama, random_ids(100, seed=4), EvictionCache(llama, settings), new_tokens=30)
-    assert len(steps) >= 25 and any(steps) and not all(steps)
+    greedy(llama, random_ids(100, seed=4), EvictionCache(llama, settings), new_tokens=50)
+    assert PREDICTION_REFRESH == 16 and len(steps) == 49  # the prompt's tokens all predicted at its last block
     fresh_steps = [index for index, fresh_now in enumerate(steps) if fresh_now]
-    # a fresh step, then PREDICTION_REFRESH - 1 steps reusing it; with a window of 2 a token arriving after a fresh
-    # step leaves the window 2 steps later: a fresh step every 3
-    gap = PREDICTION_REFRESH if recent_window is None else recent_window + 1
+    assert fresh_steps[0] == first and len(fresh_steps) >= 3
     assert all(b - a == gap for a, b in zip(fresh_steps, fresh_steps[1:]))
     monkeypatch.setattr(caote.learned, "PREDICTION_REFRESH", 1)
     steps.clear()
