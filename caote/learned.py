@@ -356,6 +356,13 @@ def linear_map(features: torch.Tensor, weights: torch.Tensor, feature_major: boo
     return (features * weights.unsqueeze(-2)).sum(-1)
 
 
+def marked(history: torch.Tensor, row: int, positions: torch.Tensor) -> torch.Tensor:
+    """``(B, H_kv, N)`` bool: the tokens for which ``row`` of the history (a remembered key term's or prediction's
+    position plus one, equal over a KV head's query heads) was written."""
+    group = history.shape[1] // positions.shape[1]
+    return history[:, ::group, row] == positions + 1
+
+
 class LayerPredictor:
     """One layer's map from features to predicted log future mass: ``(B, H_kv, N, F) @ (H_kv, F)`` (or a stack of
     layers' with weights ``(B, H_kv, F)``, `Predictor.stacked`, which remembers the keys of the stack's layers).
@@ -382,7 +389,7 @@ class LayerPredictor:
             return
         history, positions = layer.history, layer.positions
         group = history.shape[1] // positions.shape[1]
-        missing = (history[:, ::group, KEY_TERM_POSITION] != positions + 1) & (positions >= 0)
+        missing = ~marked(history, KEY_TERM_POSITION, positions) & (positions >= 0)
         least, most = torch.stack(torch.aminmax(missing.sum(-1))).tolist()  # one read back
         if most == 0:
             return
@@ -407,8 +414,8 @@ class LayerPredictor:
         last prediction, ``-inf`` for the tokens not yet predicted (all of them protected)."""
         history = inputs.history
         group = history.shape[1] // inputs.positions.shape[1]
-        predicted = history[:, ::group, PREDICTION_POSITION] == inputs.positions + 1
         if inputs.new_tokens == 1 and PREDICTION_REFRESH > 1 and inputs.kept is not None:
+            predicted = marked(history, PREDICTION_POSITION, inputs.positions)
             waiting = ~predicted & (inputs.positions >= 0)
             newest = inputs.positions.amax(-1, keepdim=True)
             overdue = ~inputs.kept | (inputs.positions <= newest - PREDICTION_REFRESH + 1)
@@ -426,7 +433,7 @@ class LayerPredictor:
             return linear_map(self.features(inputs), self.weights)
         group = inputs.history.shape[1] // inputs.positions.shape[1]
         remembered = inputs.history[:, ::group, KEY_TERM].float()
-        known = inputs.history[:, ::group, KEY_TERM_POSITION] == inputs.positions + 1
+        known = marked(inputs.history, KEY_TERM_POSITION, inputs.positions)
         if not bool((known | (inputs.positions < 0)).all()):
             raise RuntimeError("the learned policy's key terms are missing: call remember_keys before predict")
         rows = [scalar_features(inputs, self.sink_tokens)] if "scalars" in self.groups else []
