@@ -25,6 +25,7 @@ from caote.arguments import (
     temperature,
 )
 from caote.defaults import (
+    CALIBRATION_MASS_WEIGHT,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BUDGET,
     DEFAULT_CALIBRATION_DOMAIN,
@@ -185,6 +186,14 @@ def add_parser(subparsers) -> None:
         help="evict the calibration passes by learned+caote with this predictor (an earlier round's, of the same "
         "model and features) instead of H2O's mass: a second, on-policy round",
     )
+    calibrate.add_argument(
+        "--mass-weight",
+        type=float,
+        default=CALIBRATION_MASS_WEIGHT,
+        metavar="POWER",
+        help="weigh each token's row by its future attention relative to its eviction's mean, to this power, so the "
+        "fit is decided by the tokens whose eviction would be felt (0: every row alike; default: %(default)s)",
+    )
     calibrate.set_defaults(func=run_calibrate)
 
 
@@ -338,6 +347,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--out '{args.out}' is a directory; give a file path")
     if args.rollout_predictor is not None and not args.rollout_predictor.is_file():
         raise UsageError(f"--rollout-predictor '{args.rollout_predictor}' is not a file (write one with calibrate)")
+    if not 0 <= args.mass_weight <= 4:
+        raise UsageError(f"--mass-weight must lie in [0, 4], got {args.mass_weight}")
     check_model(args.model)
     # start-up: calibration imports torch and transformers, which argument errors do not need
     from caote.evaluation.calibration import calibrate, calibration_texts, folder_texts, rollout_settings
@@ -366,7 +377,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     else:
         texts = calibration_texts(tokenizer, args.domain, args.length, args.count)
     predictor = calibrate(
-        model, tokenizer, texts, tuple(budgets), tuple(groups), model_name=args.model, rollout=rollout
+        model,
+        tokenizer,
+        texts,
+        tuple(budgets),
+        tuple(groups),
+        model_name=args.model,
+        rollout=rollout,
+        mass_weight=args.mass_weight,
     )
     path = predictor.save(args.out)
     details = predictor.details

@@ -21,4 +21,6 @@ DEFAULT_POLICY = "h2o+caote"
 CALIBRATION_BUDGETS = (128, 256, 512)
 FEATURE_GROUPS = ("scalars", "key", "value")
 DEFAULT_FEATURE_GROUPS = ("scalars", "key")
+# rows weighted by (future mass / the group's mean) ** this (caote.evaluation.calibration.mass_weights); 0: unweighted
+CALIBRATION_MASS_WEIGHT = 0.5
 DEFAULT_CALIBRATION_DOMAIN = "code"  # on held-out dev essays a code-calibrated predictor beat an essay-calibrated one

@@ -474,6 +474,7 @@ def test_bench_help_prints_lists_not_tuples(capsys):
         (["--out", "p.safetensors", "--budgets", "128,x"], "--budgets must be comma-separated values"),
         (["--out", "p.safetensors", "--texts", "no/such/folder"], "--texts 'no/such/folder' is not a folder"),
         (["--out", "p.safetensors", "--rollout-predictor", "no.safetensors"], "--rollout-predictor 'no.safetensors'"),
+        (["--out", "p.safetensors", "--mass-weight", "-1"], "--mass-weight must lie in [0, 4], got -1.0"),
     ],
 )
 def test_bad_calibrate_options_exit_2_before_loading_the_model(capsys, no_model_load, args, message):

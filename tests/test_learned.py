@@ -10,11 +10,14 @@ from conftest import RandomIds, greedy, random_ids, tiny_model
 
 from caote.cache import EvictionCache
 from caote.evaluation.calibration import (
+    MASS_WEIGHT_RANGE,
+    Collector,
     NormalEquations,
     calibrate,
     calibration_texts,
     check_calibration_texts,
     check_disjoint,
+    mass_weights,
 )
 from caote.evaluation.tasks import Text
 from caote.history import (
@@ -44,6 +47,38 @@ def test_ridge_on_demeaned_groups_ranks_a_synthetic_case_right():
     assert held.squared_error(weights) < 0.02 < held.squared_error(fit.solve(10.0))
     x = torch.randn(30, 4, generator=generator, dtype=torch.float64)
     assert torch.equal((x @ weights).topk(10).indices.sort().values, (x @ truth).topk(10).indices.sort().values)
+
+
+def test_mass_weights_grow_with_the_future_mass_clipped_and_of_mean_one():
+    target = torch.log(torch.tensor([1e-9, 1.0, 2.0, 4.0, 8.0, 1e3], dtype=torch.float64))
+    assert torch.equal(mass_weights(target, 0.0), torch.ones(6, dtype=torch.float64))
+    weights = mass_weights(target, 0.5)
+    assert torch.isclose(weights.mean(), torch.tensor(1.0, dtype=torch.float64))
+    assert torch.allclose(weights[2:5] / weights[1:4], torch.tensor(2.0, dtype=torch.float64).sqrt())  # (m/mean)^0.5
+    assert 0 < weights[0] < weights[1]  # a token no query reads still weighs something (clipped from below)
+    one_heavy = torch.log(torch.tensor([1e-3] * 99 + [1e3], dtype=torch.float64))  # 100x and 1e-4x the mean: clipped
+    clipped = mass_weights(one_heavy, 1.0)
+    assert torch.isclose(
+        clipped.max() / clipped.min(), torch.tensor(MASS_WEIGHT_RANGE[1] / MASS_WEIGHT_RANGE[0]).double()
+    )
+
+
+def test_weighing_rows_by_mass_fits_the_tokens_that_will_be_read():
+    # many light tokens whose log mass falls with feature 0, a few heavy ones whose log mass rises with it: one
+    # line cannot serve both; unweighted, the light ones decide the slope, weighted by mass, the heavy ones do
+    generator = torch.Generator().manual_seed(0)
+    light, heavy = 90, 10
+    signal = torch.randn(light + heavy, generator=generator, dtype=torch.float64)
+    is_heavy = torch.arange(light + heavy) >= light
+    target = torch.where(is_heavy, 2.0 + 0.5 * signal, -6.0 - 0.5 * signal)
+    features = torch.stack([signal, is_heavy.double()], -1)
+    slopes = {}
+    for power in (0.0, 1.0):
+        collector = Collector((), 2, 0, 0, mass_weight=power)
+        for _ in range(8):
+            collector.record(0, features[None, None], target[None, None], torch.ones(1, 1, light + heavy, dtype=bool))
+        slopes[power] = float(collector.equations[("fit", 0, 0)].solve(1e-4)[0])
+    assert slopes[0.0] < 0 < slopes[1.0]  # only the weighted fit orders the heavy tokens as their mass does
 
 
 def test_sum_and_recent_keeps_h2os_sum_the_block_and_the_newest_rows():
@@ -131,6 +166,9 @@ def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tm
     assert torch.isfinite(predictor.weights).all() and predictor.weights.abs().sum() > 0
     assert predictor.texts == [f"mine-{i}" for i in range(4)] and predictor.fingerprint == model_fingerprint(llama)
     assert predictor.details["rows"] > 0 and predictor.details["held_out_mse"] > 0
+    assert predictor.details["mass_weight"] == 0.5 and predictor.details["budgets"] == [40]
+    with pytest.raises(ValueError, match=r"mass_weight must lie in \[0, 4\], got -0.5"):
+        calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, mass_weight=-0.5)
     ids = random_ids(80)
     for name in ("learned", "learned+caote", "learned+fastcaote", "learned+caote/mean"):
         cache = EvictionCache(llama, budget=40, policy=name, predictor=path)  # the setting as a keyword

@@ -8,6 +8,10 @@ so the features come from the kind of cache the policy will run in; a second rou
 ``learned+caote`` with the first round's predictor instead (``rollout``), so that they come from the policy's own
 kept sets. Per (layer, KV head) the collector keeps only the normal equations of the rows demeaned within their
 (layer, head, eviction) group — ``X^T X``, ``X^T y``, ``y^T y`` — so memory does not grow with the amount of text.
+The rows are weighted (`mass_weights`): evicting a token costs about the attention it would have received, so a
+least-squares fit of the log mass that weighs every candidate alike spends itself on ordering tokens that no later
+query reads; weighing each row by its future mass relative to its group's mean, to the power ``mass_weight``,
+moves the fit to the tokens whose eviction would be felt.
 The ridge strength of each head is the one with the smallest squared error on held-out texts (computed from their
 normal equations), and the final fit uses every text.
 
@@ -30,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from caote.cache import EvictionCache
-from caote.defaults import CALIBRATION_BUDGETS, DEFAULT_BLOCK_SIZE, DEFAULT_FEATURE_GROUPS
+from caote.defaults import CALIBRATION_BUDGETS, CALIBRATION_MASS_WEIGHT, DEFAULT_BLOCK_SIZE, DEFAULT_FEATURE_GROUPS
 from caote.evaluation.data import document_excerpts, essay_names, split_of
 from caote.evaluation.lockstep import reference_pass
 from caote.evaluation.perplexity import domain_texts
@@ -48,6 +52,7 @@ from caote.learned import (
 from caote.settings import CacheSettings
 
 RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+MASS_WEIGHT_RANGE = (0.05, 20.0)  # the weights are clipped to this range (one heavy token must not be the whole fit)
 HELD_OUT_EVERY = 4  # every 4th calibration text chooses the ridge strengths
 # with the collector standing in for the predictor: CAOTE over the group's H2O mass, or over a rollout predictor's
 ROLLOUT = "learned+caote"
@@ -93,6 +98,14 @@ class NormalEquations:
         return error / max(self.rows, 1)
 
 
+def mass_weights(target: torch.Tensor, power: float) -> torch.Tensor:
+    """Row weights of one group from its targets ``log(EPSILON + future mass)``: ``(m / mean m) ** power`` clipped
+    to `MASS_WEIGHT_RANGE`, then scaled to mean 1 (so the ridge strengths keep their meaning)."""
+    mass = target.exp()
+    weights = (mass / mass.mean()).pow(power).clamp(*MASS_WEIGHT_RANGE)
+    return weights / weights.mean()
+
+
 @dataclass
 class Collector:
     """Stands in for a predictor during calibration: at each eviction it records every candidate's features and
@@ -106,13 +119,14 @@ class Collector:
     part: str = "fit"
     equations: dict = field(default_factory=dict)  # (part, layer, head) -> NormalEquations
     rollout: Predictor | None = None  # ranks the pass instead of H2O's mass (a second, on-policy round)
+    mass_weight: float = CALIBRATION_MASS_WEIGHT  # rows weighted by relative future mass to this power (`mass_weights`)
 
     def layer(self, index: int, unrotate, sink_tokens: int) -> CollectingLayer:
         return CollectingLayer(self, index, unrotate, sink_tokens)
 
     def record(self, index: int, features: torch.Tensor, target: torch.Tensor, candidates: torch.Tensor) -> None:
-        """Demean ``features`` ``(B, H, N, F)`` and ``target`` ``(B, H, N)`` over each head's ``candidates`` and
-        add them to that head's normal equations."""
+        """Demean ``features`` ``(B, H, N, F)`` and ``target`` ``(B, H, N)`` over each head's ``candidates`` (means
+        and rows weighted by `mass_weights`) and add them to that head's normal equations."""
         features, target = features.double().cpu(), target.double().cpu()
         candidates = candidates.cpu()
         for batch in range(features.shape[0]):
@@ -121,10 +135,14 @@ class Collector:
                 if int(chosen.sum()) < 2:
                     continue
                 x, y = features[batch, head][chosen], target[batch, head][chosen]
+                weights = mass_weights(y, self.mass_weight)
+                x_mean = (weights[:, None] * x).sum(0) / weights.sum()
+                y_mean = (weights * y).sum() / weights.sum()
+                root = weights.sqrt()
                 key = (self.part, index, head)
                 if key not in self.equations:
                     self.equations[key] = NormalEquations.empty(self.width)
-                self.equations[key].add(x - x.mean(0), y - y.mean())
+                self.equations[key].add((x - x_mean) * root[:, None], (y - y_mean) * root)
 
 
 class CollectingLayer(LayerPredictor):
@@ -245,6 +263,7 @@ def calibrate(
     progress: bool = True,
     model_name: str | None = None,
     rollout: Predictor | None = None,
+    mass_weight: float = CALIBRATION_MASS_WEIGHT,
 ) -> Predictor:
     """Fit a `Predictor` for ``model`` on ``texts`` (`caote.evaluation.tasks.Text`, never a test-split text: see
     the module docstring), under rollouts at every budget of ``budgets``, protecting ``recent_window`` newest
@@ -252,7 +271,10 @@ def calibrate(
     model and feature groups) the evicting passes run ``learned+caote`` with it, so the rows come from the kept
     sets the policy itself leaves (a second round of on-policy distillation, DAgger-like but fitted on this round's
     rows only). The held-out texts choosing the ridge strengths were then evicted by a predictor that saw them in
-    its own fit: a slightly optimistic choice."""
+    its own fit: a slightly optimistic choice. ``mass_weight``: each row weighs (its future mass / its group's
+    mean) to this power (`mass_weights`; 0 weighs every row alike)."""
+    if not 0 <= mass_weight <= 4:
+        raise ValueError(f"mass_weight must lie in [0, 4], got {mass_weight}")
     check_calibration_texts(texts)
     if rollout is not None and (rollout.fingerprint != model_fingerprint(model) or set(rollout.groups) != set(groups)):
         raise ValueError(
@@ -272,7 +294,9 @@ def calibrate(
         reference = reference_pass(model, ids, block_size, future=True, states=set())
         for budget in budgets:
             settings = rollout_settings(budget, recent_window, block_size)
-            collector = Collector(groups, width, settings.recent, settings.sink_tokens, rollout=rollout)
+            collector = Collector(
+                groups, width, settings.recent, settings.sink_tokens, rollout=rollout, mass_weight=mass_weight
+            )
             collector.part = "held_out" if number % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
             with ExitStack() as stack, torch.no_grad():
                 cache = stack.enter_context(EvictionCache(model, settings, future=reference.future, stand_in=collector))
@@ -282,10 +306,11 @@ def calibrate(
             bar.update()
     bar.close()
     rolled_out = None if rollout is None else rollout.details.get("rolled_out_by", []) + [rollout.texts]
-    return _fit(model, collectors, groups, width, texts, budgets, recent_window, began, model_name, rolled_out)
+    recipe = {"budgets": list(budgets), "recent_window": recent_window, "mass_weight": mass_weight}
+    return _fit(model, collectors, groups, width, texts, recipe, began, model_name, rolled_out)
 
 
-def _fit(model, collectors, groups, width, texts, budgets, recent_window, began, model_name, rolled_out) -> Predictor:
+def _fit(model, collectors, groups, width, texts, recipe, began, model_name, rolled_out) -> Predictor:
     totals: dict = {}
     for collector in collectors:
         for key, equations in collector.equations.items():
@@ -323,8 +348,7 @@ def _fit(model, collectors, groups, width, texts, budgets, recent_window, began,
             chosen[f"{layer}.{head}"] = strength
     rows = sum(equations.rows for key, equations in totals.items() if key[0] == "fit")
     details = {
-        "budgets": list(budgets),
-        "recent_window": recent_window,
+        **recipe,
         "ridge": chosen,
         "rows": rows,
         "held_out_mse": sum(held_out_error) / max(len(held_out_error), 1),
