@@ -25,6 +25,7 @@ from caote.arguments import (
     temperature,
 )
 from caote.defaults import (
+    CALIBRATION_BUDGETS,
     CALIBRATION_MASS_WEIGHT,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BUDGET,
@@ -171,7 +172,7 @@ def add_parser(subparsers) -> None:
     calibrate.add_argument("--count", type=positive_int, help="use only the first COUNT excerpts (default: all)")
     calibrate.add_argument(
         "--budgets",
-        default="128,256,512",
+        default=",".join(map(str, CALIBRATION_BUDGETS)),
         help="budgets of the evicting passes, comma-separated (default: %(default)s)",
     )
     calibrate.add_argument(

@@ -166,7 +166,7 @@ def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tm
     assert torch.isfinite(predictor.weights).all() and predictor.weights.abs().sum() > 0
     assert predictor.texts == [f"mine-{i}" for i in range(4)] and predictor.fingerprint == model_fingerprint(llama)
     assert predictor.details["rows"] > 0 and predictor.details["held_out_mse"] > 0
-    assert predictor.details["mass_weight"] == 0.5 and predictor.details["budgets"] == [40]
+    assert predictor.details["mass_weight"] == 1.0 and predictor.details["budgets"] == [40]
     with pytest.raises(ValueError, match=r"mass_weight must lie in \[0, 4\], got -0.5"):
         calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, mass_weight=-0.5)
     ids = random_ids(80)
