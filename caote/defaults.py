@@ -17,8 +17,8 @@ PAPER_BASES = ("h2o", "tova", "snapkv")  # the base policies of the CAOTE paper,
 # standard grid of docs/results.md (see the README's "Which policy" paragraph)
 DEFAULT_POLICY = "h2o+caote"
 # the learned policy's calibration (`caote calibrate`, caote.evaluation.calibration): evicting passes at these budgets
-# (on held-out dev essays one calibrated at 128 alone did as well at 256 as one calibrated at 128, 256 and 512, in a
-# third of the time: docs/results.md), these feature groups (of caote.learned.FEATURE_GROUPS), texts of this
+# (on held-out dev essays one calibrated at 128 alone did as well at 256 as one calibrated at 128, 256 and 512, with a
+# third of the evicting passes: docs/results.md), these feature groups (of caote.learned.FEATURE_GROUPS), texts of this
 # domain's dev split
 CALIBRATION_BUDGETS = (128,)
 FEATURE_GROUPS = ("scalars", "key", "value")

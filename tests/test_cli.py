@@ -21,7 +21,7 @@ from conftest import needs_compiler
 from caote import generate as caote_generate
 from caote.cli import build_parser, main
 from caote.commands import policy_table
-from caote.learned import PREDICTOR_DIR
+from caote.learned import PREDICTOR_DIR, Predictor
 from caote.models import bundled_gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -505,10 +505,11 @@ def test_calibrate_then_generate_with_the_learned_policy(capsys, tiny_loaded_mod
     for name in ("one", "two"):
         (folder / f"{name}.txt").write_text(f"{name} line of my own text\n" * 80)
     out = tmp_path / "mine.safetensors"
-    args = ["--texts", str(folder), "--length", "200", "--budgets", "64", "--out", str(out)]
+    args = ["--texts", str(folder), "--length", "200", "--budgets", "64", "--out", str(out), "--mass-weight", "0.5"]
     code, stdout, err = run_main(capsys, "calibrate", *args)
     assert code == 0, err
     assert out.is_file() and "caote calibrate: 4 texts x 1 budgets" in stdout and f"wrote {out}" in stdout
+    assert Predictor.load(out).details["mass_weight"] == 0.5  # the flag reaches the fit
     code, answer, err = run_main(
         capsys, "generate", "hello " * 100, "--no-chat", "--budget", "64", "--policy", "learned+caote",
         "--predictor", str(out), "--max-new-tokens", "4", "--stats",

@@ -77,7 +77,13 @@ def test_weighing_rows_by_mass_fits_the_tokens_that_will_be_read():
         collector = Collector((), 2, 0, 0, mass_weight=power)
         for _ in range(8):
             collector.record(0, features[None, None], target[None, None], torch.ones(1, 1, light + heavy, dtype=bool))
-        slopes[power] = float(collector.equations[("fit", 0, 0)].solve(1e-4)[0])
+        fitted = collector.equations[("fit", 0, 0)].solve(1e-9)
+        # the closed form: least squares with an intercept, each row scaled by the square root of its weight
+        root = mass_weights(target, power).sqrt()
+        design = torch.cat([features, torch.ones(light + heavy, 1, dtype=torch.float64)], -1) * root[:, None]
+        expected = torch.linalg.lstsq(design, target * root).solution[:2]
+        assert torch.allclose(fitted, expected, atol=1e-6), (power, fitted, expected)
+        slopes[power] = float(fitted[0])
     assert slopes[0.0] < 0 < slopes[1.0]  # only the weighted fit orders the heavy tokens as their mass does
 
 
@@ -167,6 +173,10 @@ def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tm
     assert predictor.texts == [f"mine-{i}" for i in range(4)] and predictor.fingerprint == model_fingerprint(llama)
     assert predictor.details["rows"] > 0 and predictor.details["held_out_mse"] > 0
     assert predictor.details["mass_weight"] == 1.0 and predictor.details["budgets"] == [40]
+    unweighted = calibrate(
+        llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, mass_weight=0
+    )
+    assert unweighted.details["mass_weight"] == 0 and not torch.allclose(unweighted.weights, predictor.weights)
     with pytest.raises(ValueError, match=r"mass_weight must lie in \[0, 4\], got -0.5"):
         calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, mass_weight=-0.5)
     ids = random_ids(80)

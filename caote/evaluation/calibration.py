@@ -6,8 +6,9 @@ eviction hands the candidates' features (what the learned policy will see) and t
 to a `Collector`. The rollout evicts by CAOTE over the KV group's mean H2O mass (the predictor does not exist yet),
 so the features come from the kind of cache the policy will run in; a second round can roll out
 ``learned+caote`` with the first round's predictor instead (``rollout``), so that they come from the policy's own
-kept sets. Per (layer, KV head) the collector keeps only the normal equations of the rows demeaned within their
-(layer, head, eviction) group — ``X^T X``, ``X^T y``, ``y^T y`` — so memory does not grow with the amount of text.
+kept sets. Per (layer, KV head) the collector keeps only the normal equations of the rows centred within their
+(layer, head, eviction) group (on the weighted means) — ``X^T X``, ``X^T y``, ``y^T y`` — so memory does not grow
+with the amount of text.
 The rows are weighted (`mass_weights`): evicting a token costs about the attention it would have received, so a
 least-squares fit of the log mass that weighs every candidate alike spends itself on ordering tokens that no later
 query reads; weighing each row by its future mass relative to its group's mean, to the power ``mass_weight``,
@@ -52,7 +53,9 @@ from caote.learned import (
 from caote.settings import CacheSettings
 
 RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
-MASS_WEIGHT_RANGE = (0.05, 20.0)  # the weights are clipped to this range (one heavy token must not be the whole fit)
+# relative weights are clipped to this range before they are scaled to mean 1: it bounds how far apart two rows of a
+# group can weigh (400x), which limits how much of a fit the few heaviest tokens can decide
+MASS_WEIGHT_RANGE = (0.05, 20.0)
 HELD_OUT_EVERY = 4  # every 4th calibration text chooses the ridge strengths
 # with the collector standing in for the predictor: CAOTE over the group's H2O mass, or over a rollout predictor's
 ROLLOUT = "learned+caote"
@@ -60,7 +63,8 @@ ROLLOUT = "learned+caote"
 
 @dataclass
 class NormalEquations:
-    """``X^T X``, ``X^T y``, ``y^T y`` and the row count of one (layer, KV head), in float64."""
+    """``X^T X``, ``X^T y``, ``y^T y`` and the row count of one (layer, KV head), in float64; the collector adds rows
+    already scaled by the square roots of their weights, so these are the weighted sums."""
 
     xtx: torch.Tensor
     xty: torch.Tensor
@@ -93,7 +97,9 @@ class NormalEquations:
         return weights / scale
 
     def squared_error(self, weights: torch.Tensor) -> float:
-        """Mean squared error of ``weights`` on these rows: ``(y^T y - 2 w^T X^T y + w^T X^T X w) / n``."""
+        """Mean squared error of ``weights`` on these rows: ``(y^T y - 2 w^T X^T y + w^T X^T X w) / n`` (weighted as
+        the rows are: `mass_weights` average 1 per group, so it is the weighted mean; not comparable with the error
+        of a predictor fitted with another ``mass_weight``)."""
         error = self.yty - 2 * float(weights @ self.xty) + float(weights @ self.xtx @ weights)
         return error / max(self.rows, 1)
 

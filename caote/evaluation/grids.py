@@ -157,8 +157,9 @@ LONG_GRID = Grid(
         "no attention-output fidelity.",
         "Essays at 4k-8k tokens are windows of the test split's essays joined into one stream (file-name order, a "
         "blank line between essays): a window spans several essays and is the unit the intervals resample.",
-        "learned+caote uses the model's committed predictor (each calibrated on the same 40 dev code excerpts of "
-        "1,024 tokens: `caote calibrate --model <model> --count 40`).",
+        "learned+caote uses the model's committed predictor, each calibrated on the same 40 dev code excerpts of "
+        "1,024 tokens: SmolLM2's in two rounds of the weighted fit at budget 128 (`caote calibrate --count 40`, "
+        "then again with `--rollout-predictor`), Gemma-3's in one unweighted round at budgets 128, 256 and 512.",
     ),
     own_document="long.md",
 )
