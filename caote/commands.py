@@ -348,11 +348,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--out '{args.out}' is a directory; give a file path")
     if args.rollout_predictor is not None and not args.rollout_predictor.is_file():
         raise UsageError(f"--rollout-predictor '{args.rollout_predictor}' is not a file (write one with calibrate)")
-    if not 0 <= args.mass_weight <= 4:
-        raise UsageError(f"--mass-weight must lie in [0, 4], got {args.mass_weight}")
     check_model(args.model)
     # start-up: calibration imports torch and transformers, which argument errors do not need
-    from caote.evaluation.calibration import calibrate, calibration_texts, folder_texts, rollout_settings
+    from caote.evaluation.calibration import (
+        calibrate,
+        calibration_texts,
+        check_mass_weight,
+        folder_texts,
+        rollout_settings,
+    )
     from caote.learned import Predictor
     from caote.models import load_model
 
@@ -361,6 +365,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
             rollout_settings(budget)
     except ValueError as error:
         raise UsageError(f"--budgets: {error}") from None
+    try:
+        check_mass_weight(args.mass_weight, "--mass-weight")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     rollout = None
     if args.rollout_predictor is not None:  # its file and features checked before the model loads too
         try:

@@ -56,6 +56,7 @@ RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 # relative weights are clipped to this range before they are scaled to mean 1: it bounds how far apart two rows of a
 # group can weigh (400x), which limits how much of a fit the few heaviest tokens can decide
 MASS_WEIGHT_RANGE = (0.05, 20.0)
+MASS_WEIGHT_MOST = 4  # the largest power `calibrate` accepts (at 2 the heaviest few tokens already decide each fit)
 HELD_OUT_EVERY = 4  # every 4th calibration text chooses the ridge strengths
 # with the collector standing in for the predictor: CAOTE over the group's H2O mass, or over a rollout predictor's
 ROLLOUT = "learned+caote"
@@ -102,6 +103,12 @@ class NormalEquations:
         of a predictor fitted with another ``mass_weight``)."""
         error = self.yty - 2 * float(weights @ self.xty) + float(weights @ self.xtx @ weights)
         return error / max(self.rows, 1)
+
+
+def check_mass_weight(power: float, name: str = "mass_weight") -> None:
+    """Refuse a ``mass_weight`` outside ``[0, MASS_WEIGHT_MOST]`` (``name``: how the caller spells it)."""
+    if not 0 <= power <= MASS_WEIGHT_MOST:
+        raise ValueError(f"{name} must lie in [0, {MASS_WEIGHT_MOST}], got {power}")
 
 
 def mass_weights(target: torch.Tensor, power: float) -> torch.Tensor:
@@ -279,8 +286,7 @@ def calibrate(
     rows only). The held-out texts choosing the ridge strengths were then evicted by a predictor that saw them in
     its own fit: a slightly optimistic choice. ``mass_weight``: each row weighs (its future mass / its group's
     mean) to this power (`mass_weights`; 0 weighs every row alike)."""
-    if not 0 <= mass_weight <= 4:
-        raise ValueError(f"mass_weight must lie in [0, 4], got {mass_weight}")
+    check_mass_weight(mass_weight)
     check_calibration_texts(texts)
     if rollout is not None and (rollout.fingerprint != model_fingerprint(model) or set(rollout.groups) != set(groups)):
         raise ValueError(
