@@ -46,7 +46,7 @@ def layer_bytes(layer) -> int:
 
 # what a layer decoding in place writes in place (never replaces): a stack's copy of them may become the layers' own
 # storage (`EvictionLayer.stacked`), so that the next step's stack is a view
-HELD_BY_STACK = ("keys", "values", "positions", "history", "_sinks")
+HELD_BY_STACK = ("keys", "values", "positions", "history", "_sinks", "value_norms", "_normed")
 
 
 def adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -103,6 +103,8 @@ class EvictionLayer(DynamicLayer):
         self._views: SlotViews | None = None  # in place: the slot buffers' views, made once (`slot_views`)
         self._output: torch.Tensor | None = None  # in place: (B, H_kv, g, d) this step's attention output, when
         # caote computed it (`record`'s ``call_output``)
+        self.value_norms: torch.Tensor | None = None  # in place, value-aware on the CPU: (B, H_kv, S) float32 ||v||
+        self._normed: torch.Tensor | None = None  # the position each slot's norm was taken for (`held_value_norms`)
 
     @property
     def in_place(self) -> bool:
@@ -148,6 +150,9 @@ class EvictionLayer(DynamicLayer):
         self.free = torch.full((batch, kv_heads, 1), tokens, dtype=torch.long, device=keys.device)
         self._no_free = self.free[..., :0]
         self.find_sinks()
+        if self.settings.policy.value_aware and keys.device.type == "cpu":  # the bounds of `lowest_errors` read them
+            self.value_norms = positions.new_zeros(positions.shape, dtype=torch.float32)
+            self._normed = torch.full_like(positions, FREE - 1)  # no slot's norm taken yet
 
     def find_sinks(self) -> None:
         """Record the slots of the sink tokens: never evicted, they stay theirs while the layer decodes in place
@@ -186,6 +191,19 @@ class EvictionLayer(DynamicLayer):
             self._views = SlotViews.of(self.keys, self.values)
         return self._views
 
+    def held_value_norms(self) -> torch.Tensor | None:
+        """``(B, H_kv, S)`` float32: the norm of every slot's value, taken once per token. A slot whose position is
+        not the one its norm was taken for (a token written since: decoded, restored, stacked) gets its norm now,
+        so no write path has to remember it; None unless the layer keeps them (in place, value-aware, CPU)."""
+        if self.value_norms is None:
+            return None
+        stale = (self._normed != self.positions).view(-1).nonzero().squeeze(-1)  # on the CPU the read-back is free
+        if stale.numel():
+            written = self.values.reshape(-1, self.values.shape[-1]).index_select(0, stale)
+            self.value_norms.view(-1).index_copy_(0, stale, torch.linalg.vector_norm(written.float(), dim=-1))
+            self._normed.view(-1).index_copy_(0, stale, self.positions.view(-1).index_select(0, stale))
+        return self.value_norms
+
     def reads_row_now(self) -> bool:
         """A decode step in place at which the policy reads this step's attention row: every slot holds a real token
         (the lone query needs no mask), the layer overflows (it evicts now) and its history takes the row."""
@@ -220,6 +238,7 @@ class EvictionLayer(DynamicLayer):
         if self.in_place:
             free = self.free.shape[-1]
             self.free = self._written = self._newest = self._sinks = self._no_free = self._views = None
+            self.value_norms = self._normed = None
             self.keep(self.positions.argsort(dim=-1, stable=True)[..., free:])
 
     def kept_positions(self) -> torch.Tensor:
@@ -235,6 +254,8 @@ class EvictionLayer(DynamicLayer):
         if self.in_place:
             twin.keys, twin.values, twin.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
             twin.history = None if self.history is None else self.history.clone()
+            if self.value_norms is not None:
+                twin.value_norms, twin._normed = self.value_norms.clone(), self._normed.clone()
         return twin
 
     @property
@@ -349,6 +370,7 @@ class EvictionLayer(DynamicLayer):
         policy = self.settings.policy
         reads = ("keys",) * ("keys" in policy.base.reads) + ("values",) * policy.reads_values
         reads += ("_output",) * policy.reads_output
+        reads += ("value_norms", "_normed") * (self.value_norms is not None)
         return ("positions", "history", "free", "_sinks", "_written", "_newest") + reads
 
     def stacked_bytes(self) -> int:
@@ -366,7 +388,7 @@ class EvictionLayer(DynamicLayer):
         the scores read (`stacked_names`), concatenated along the batch axis; the keys and values it does not read
         are None. What the layers write in place (`HELD_BY_STACK`) is copied once: the copy becomes their storage
         (each layer's rows a view of it, the old buffers freed), so the next step's stack of the same layers is a
-        view of it (`adjacent`), not a copy."""
+        view of it (`adjacent`), not a copy; either way, what the stack writes there is the layers' own."""
         first = layers[0]
         stack = cls(first.settings)
         for name in first.stacked_names():
@@ -386,10 +408,12 @@ class EvictionLayer(DynamicLayer):
     def _score_inputs(self, order, protected: torch.Tensor, padded: bool, random, inputs: dict) -> ScoreInputs:
         """What the scores read, the slots in position order when ``order`` ``(B, H_kv, S)`` is given."""
         keys, values, positions, history = self.keys, self.values, self.positions, self.history
+        value_norms = self.held_value_norms()
         if order is not None:
             keys = None if keys is None else keys.gather(2, order.unsqueeze(-1).expand_as(keys))
             values = None if values is None else values.gather(2, order.unsqueeze(-1).expand_as(values))
             positions, protected = positions.gather(2, order), protected.gather(2, order)
+            value_norms = None if value_norms is None else value_norms.gather(2, order)
             if history is not None:
                 history = history.gather(-1, history_index(order, history))
         return ScoreInputs(
@@ -402,6 +426,7 @@ class EvictionLayer(DynamicLayer):
             new_tokens=self.new_tokens,
             kept=protected,
             output=self._output,
+            value_norms=value_norms,
             **inputs,
         )
 
@@ -457,7 +482,7 @@ class EvictionLayer(DynamicLayer):
         self.new_tokens = 0
         self.padded = False
         self.positions = self.history = self.free = self._written = self._newest = self._sinks = None
-        self._no_free = self._views = self._output = None
+        self._no_free = self._views = self._output = self.value_norms = self._normed = None
 
     def _refuse(self, *args, **kwargs):
         raise ValueError(
@@ -498,5 +523,6 @@ def evict_together(
             together = EvictionLayer.stacked(list(stack.values()))
             extra = inputs(stack, together)
             slots = together.slots_to_free(count, random, extra)
+            together._free_slots(slots)  # once for all: the stack's positions and history are the layers' storage
             for layer, own in zip(stack.values(), slots.split(first.positions.shape[0])):
-                layer._free_slots(own)
+                layer.free = own

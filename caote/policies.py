@@ -39,6 +39,8 @@ class ScoreInputs:
     kept: torch.Tensor | None = None  # (B, H_kv, N) bool, the tokens that stay whatever their score (`protected`)
     # (B, H_kv, g, d) the attention output of a decode step that attended once (`caote.attention.decode_attention`)
     output: torch.Tensor | None = None
+    # (B, H_kv, N) float32 ``||v_j||`` of the values, kept per slot by a layer decoding in place (its bounds read them)
+    value_norms: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -322,9 +324,14 @@ class Policy:
         return self.base is not None
 
     @property
+    def value_aware(self) -> bool:
+        """Whether a CAOTE / FastCAOTE transform follows the base score."""
+        return TRANSFORMS[self.transform] is not None
+
+    @property
     def reads_values(self) -> bool:
         """Whether scoring reads the held values: the base's own reading (`BaseScore.reads`) or a CAOTE transform."""
-        return "values" in self.base.reads or TRANSFORMS[self.transform] is not None
+        return "values" in self.base.reads or self.value_aware
 
     @property
     def reads_output(self) -> bool:
@@ -366,7 +373,8 @@ class Policy:
                     output = inputs.output.to(weights.dtype)  # the step's own: the same bmm, done once
                 else:
                     output = transform.output(weights, values, real)
-                bounded = scoring.lowest_errors(output, weights, values, kept, lowest, how)
+                norms = None if inputs.value_norms is None else inputs.value_norms.unsqueeze(2)
+                bounded = scoring.lowest_errors(output, weights, values, kept, lowest, how, transform.weighted, norms)
                 if bounded is not None:
                     return bounded
             grouped = transform.errors(weights, values, real, kept, fused=fused)

@@ -242,19 +242,20 @@ def fast_caote_output(weights: torch.Tensor, values: torch.Tensor, real: torch.T
     return masked_mean(values, real)
 
 
-# The float32 rounding that separates the expanded squared distance ||x||^2 - 2 x.v + ||v||^2 from the direct one,
-# as a share of (||x|| + ||v||)^2: two head_dim-long sums (the norms, the dot product; at most gamma_n = n u each,
-# whatever the order of addition) and a few roundings more; doubled for safety. Per unit of head_dim, u = 2^-24.
-EXPANSION_ROUNDING = 2 * 2.0**-24
+# The float32 rounding of a computed norm, as a share of the norm, per unit of head_dim: a length-n sum of squares
+# is off by at most gamma_n = n u (u = 2^-24) whatever the order of addition, its square root halves that, and the
+# norms of the output and of a value, their difference and the direct distance each add a few roundings; doubled.
+NORM_ROUNDING = 2 * 2.0**-24
 # the relative margin of every bound: covers the direct path's own rounding (the distance's sum over head_dim, the
 # formula, the group's aggregation: under 100 u) and that of the bounds' arithmetic many times over
 BOUND_MARGIN = 1e-4
-# past this share of candidates the bounds save nothing: the direct path scores every token
+# past this share of candidate (KV row, token) pairs the bounds save nothing: the direct path scores every token
 MOST_CANDIDATES = 0.25
-# below this many (KV row, token) pairs the bounds' ~50 extra operators cost about what the distances they save do
-# (one CPU thread, 3 query heads per KV head, head_dim 64: direct / bounded 0.148 / 0.264 ms at 4 x 3 x 65 pairs,
-# 1.04 / 1.07 ms at 30 x 3 x 129, 1.92 / 1.61 ms at 30 x 3 x 257, 4.18 / 3.63 ms at 30 x 3 x 513)
-BOUNDED_FROM = 2**14
+# below this many (KV row, token) pairs the bounds' ~35 extra operators cost about what the distances they save do
+# (one CPU thread, 3 query heads per KV head, head_dim 64, cached value norms, synthetic softmax rows: direct /
+# bounded 0.34 / 0.48 ms at 4 x 3 x 65 pairs, 0.57 / 0.40 at 8 x 3 x 129, 1.18 / 0.51 at 30 x 3 x 129, 3.81 / 1.13
+# at 30 x 3 x 513)
+BOUNDED_FROM = 2**12
 
 
 def lowest_errors(
@@ -264,73 +265,107 @@ def lowest_errors(
     kept: torch.Tensor,
     count: int,
     how: str,
+    weighted: bool,
+    value_norms: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Aggregated CAOTE / FastCAOTE errors ``(B, H_kv, N)`` for a caller that evicts the ``count`` lowest tokens not
     ``kept``, computed directly only for the tokens that can be among them (a decode step: one or a few of N).
 
-    Every error is first bounded from the expansion ``||x - v||^2 = ||x||^2 - 2 x.v + ||v||^2`` (one matrix
-    product; it loses digits to cancellation, by at most ``e = n * EXPANSION_ROUNDING * (||x|| + ||v||)^2`` for
-    head_dim n, so ``|d - d_hat| <= sqrt(e)``), the bound carried through ``w / (1 - w)`` and the group's
-    aggregation (rss, mean and max all move by at most the sum of their inputs' moves), widened by
-    `BOUND_MARGIN`. A token whose lower bound exceeds the ``count``-th lowest upper bound cannot be evicted; its
-    entry is that lower bound. The others (the candidates) get the direct path's exact arithmetic, bit for bit
-    (`distances` of their values, `eviction_error`'s formula, `aggregate_groups`), so the ``count`` lowest entries,
-    ties included, are those of the direct path.
+    Every distance is first bounded by the triangle inequality, ``| ||x|| - ||v|| | <= ||x - v|| <= ||x|| + ||v||``,
+    from the norms alone (``value_norms`` ``(B, H_kv, 1, N)``, which a layer decoding in place keeps per slot:
+    then no value is read), each side moved by ``n * NORM_ROUNDING * (||x|| + ||v||)`` for head_dim n (what float32
+    norms may be off by), then carried through ``w / (1 - w)`` and the group's aggregation (rss, mean and max are
+    monotone in every input) and widened by `BOUND_MARGIN`. A token whose lower bound exceeds the ``count``-th
+    lowest upper bound cannot be evicted; its entry is that lower bound. The others (the candidates: a few per row,
+    the rows of nearly even weight more) get the direct path's exact arithmetic, bit for bit (`distances` of their
+    values, `eviction_error`'s formula, `aggregate_groups`), so the ``count`` lowest entries, ties included, are
+    those of the direct path.
 
-    A token not kept that holds more than half a row's weight gets `heaviest_token_error`'s stable form, which the
-    bound does not cover: it is always a candidate and certifies nothing.
+    A token not kept that holds more than half a row's weight has `heaviest_token_error`'s stable form as its
+    error, ``w ||Y - v||`` with ``Y`` the others' weighted mean. Since ``Y - v = (X - S v) / (S - w)`` for the
+    weighted output ``X`` and the row's sum ``S`` (1 up to rounding), it is bounded below from the same norms,
+    less what float32 may be off by in ``X``, ``S`` and the stable form itself (`heavy_lower_bound`); its upper
+    bound certifies nothing, and only where it is a candidate is the stable form computed. ``weighted``: ``output``
+    is the weighted output (CAOTE); for FastCAOTE's mean the heavy token is always a candidate.
 
     ``output`` ``(B, H_kv, g or 1, d)`` (`caote_output` / `fast_caote_output`), ``weights`` ``(B, H_kv, g, N)`` float32
     summing to 1, ``values`` ``(B, H_kv, 1, N, d)`` float32, ``kept`` ``(B, H_kv, 1, N)`` bool. None where the
-    direct path must run: another dtype or device (an accelerator would wait for the read-back of the candidate
-    count), float32 products allowed a lower precision, fewer than `BOUNDED_FROM` (row, token) pairs, a non-finite
-    bound, fewer than ``count`` tokens not kept, or more than `MOST_CANDIDATES` of them candidates."""
-    if (
-        weights.dtype != torch.float32
-        or weights.device.type != "cpu"
-        or torch.get_float32_matmul_precision() != "highest"
-    ):
-        return None  # the bound assumes float32 products in float32 (not bfloat16 inside a "medium" matmul)
+    direct path must run: another dtype or device (an accelerator would wait for the read-back of the candidates),
+    fewer than `BOUNDED_FROM` (row, token) pairs, a non-finite bound, fewer than ``count`` tokens not kept, or more
+    than `MOST_CANDIDATES` of the pairs candidates."""
+    if weights.dtype != torch.float32 or weights.device.type != "cpu":
+        return None
     batch, kv_heads, group, tokens = weights.shape
     if batch * kv_heads * tokens < BOUNDED_FROM:
         return None
     dim = values.shape[-1]
-    flat_values = values.reshape(batch * kv_heads, tokens, dim)
-    value_norms = torch.linalg.vector_norm(values, dim=-1)  # (B, H_kv, 1, N)
-    output_norms = torch.linalg.vector_norm(output, dim=-1, keepdim=True)  # (B, H_kv, g, 1)
-    rows = output.shape[-2]  # the group's query heads, or 1 for an output they share (FastCAOTE's mean)
-    squared = torch.baddbmm(
-        output_norms.square().view(-1, rows, 1), output.reshape(-1, rows, dim), flat_values.transpose(1, 2), alpha=-2
-    ).view(batch, kv_heads, rows, tokens)
-    distance = squared.add_(value_norms.square()).clamp_min_(0.0).sqrt_()
+    if value_norms is None:
+        value_norms = torch.linalg.vector_norm(values, dim=-1)
+    output_norms = torch.linalg.vector_norm(output, dim=-1, keepdim=True)  # (B, H_kv, g or 1, 1)
+    if not torch.isfinite(value_norms.sum() + output_norms.sum()):  # a non-finite value or output bounds nothing
+        return None
+    rounding = max(dim, 8) * NORM_ROUNDING  # a few roundings beyond the sum's n u: a floor for tiny head_dims
+    reach = output_norms + value_norms  # (B, H_kv, g or 1, N)
+    nearest = (output_norms - value_norms).abs_().sub_(reach, alpha=rounding).clamp_min_(0.0)
     factor = weights / (1.0 - weights).clamp_min(0.5)
-    estimate = aggregate_groups(factor * distance, how)
-    reach = output_norms.amax(2) + value_norms.squeeze(2)  # (B, H_kv, N): >= ||x_q|| + ||v_j|| for every query head
-    rounding = max(dim, 8) * EXPANSION_ROUNDING  # a few roundings beyond the sums' n u: a floor for tiny head_dims
-    slack = (factor.sum(2) * reach).mul_(math.sqrt(rounding)).add_(estimate, alpha=BOUND_MARGIN)
-    upper, lower = estimate + slack, (estimate - slack).mul_(1 - BOUND_MARGIN)
-    heavy = may_hold_heavy_token(weights, kept)
-    if heavy:  # its stable form escapes the bound: a candidate, whose upper bound certifies nothing
-        heaviest, heavier, stable = heaviest_token(weights, values, kept)
-        at, forced = heaviest.view(batch, kv_heads, group), heavier.view(batch, kv_heads, group)
-        upper.scatter_reduce_(-1, at, torch.where(forced, math.inf, -math.inf), reduce="amax")
-        lower.scatter_reduce_(-1, at, torch.where(forced, -math.inf, math.inf), reduce="amin")
+    upper, lower = factor * reach, factor * nearest  # (B, H_kv, g, N), before the rounding of the far side
+    top_weight, heaviest = weights.max(-1, keepdim=True)  # (B, H_kv, g, 1)
+    heavier = (top_weight > 0.5) & ~kept.expand_as(weights).gather(-1, heaviest)
+    heavy = bool(heavier.any())  # on the CPU the read-back is free
+    if heavy:  # its stable form: bounded below (CAOTE's weighted output), its upper bound certifies nothing
+        upper.scatter_(-1, heaviest, torch.where(heavier, math.inf, upper.gather(-1, heaviest)))
+        bound = 0.0  # FastCAOTE's mean is not the weighted output the bound is taken from
+        if weighted:
+            bound = heavy_lower_bound(weights, top_weight, heaviest, output_norms, value_norms, rounding)
+        lower.scatter_(-1, heaviest, torch.where(heavier, bound, lower.gather(-1, heaviest)))
+    upper = aggregate_groups(upper, how).mul_((1 + rounding) * (1 + BOUND_MARGIN))
+    lower = aggregate_groups(lower, how).mul_(1 - BOUND_MARGIN)
     upper.masked_fill_(kept.squeeze(2), math.inf)
     lower.masked_fill_(kept.squeeze(2), math.inf)
     threshold = upper.amin(-1, keepdim=True) if count == 1 else upper.kthvalue(count, dim=-1, keepdim=True).values
-    if not torch.isfinite(threshold).all() or not torch.isfinite(estimate).all():
+    if not torch.isfinite(threshold).all():  # fewer than ``count`` tokens to certify against
         return None
-    candidates = int((lower <= threshold).sum(-1).max())
-    if candidates > MOST_CANDIDATES * tokens:
+    pairs = (lower <= threshold).view(-1).nonzero().squeeze(-1)  # (P,) candidates, flat over (B * H_kv * N)
+    if pairs.numel() > MOST_CANDIDATES * lower.numel():
         return None
-    index = lower.topk(candidates, dim=-1, largest=False).indices  # (B, H_kv, K): every candidate, perhaps more
-    chosen_values = flat_values.gather(1, index.view(batch * kv_heads, -1, 1).expand(-1, -1, dim))
-    chosen_weights = weights.gather(-1, index.unsqueeze(2).expand(-1, -1, group, -1))
-    chosen_distance = distances(output, chosen_values.view(batch, kv_heads, 1, -1, dim))
-    error = chosen_weights / (1.0 - chosen_weights).clamp_min(0.5) * chosen_distance
-    if heavy:  # as `heaviest_token_error` replaces it
-        error = torch.where((index.unsqueeze(2) == heaviest) & heavier, stable, error)
-    return lower.scatter_(-1, index, aggregate_groups(error, how))
+    rows, token = pairs.div(tokens, rounding_mode="floor"), pairs.remainder(tokens)
+    chosen_values = values.reshape(-1, dim).index_select(0, pairs).unsqueeze(1)  # (P, 1, d)
+    chosen_outputs = output.reshape(batch * kv_heads, -1, dim).index_select(0, rows)  # (P, g or 1, d)
+    chosen_weights = weights.view(batch * kv_heads, group, tokens)[rows, :, token]  # (P, g)
+    # `distances`' direct mode, pair by pair: the same sum over head_dim as the direct path's
+    distance = torch.cdist(chosen_outputs, chosen_values, compute_mode="donot_use_mm_for_euclid_dist").squeeze(-1)
+    error = chosen_weights / (1.0 - chosen_weights).clamp_min(0.5) * distance
+    if heavy:  # a heavy candidate gets the stable form, as `heaviest_token_error` gives it
+        own = (heaviest.view(-1, group)[rows] == token.unsqueeze(1)) & heavier.view(-1, group)[rows]
+        if own.any():
+            stable = heaviest_token(weights, values, kept)[2]
+            error = torch.where(own, stable.view(-1, group)[rows], error)
+    exact = aggregate_groups(error.t().contiguous().view(1, 1, group, -1), how)  # the group axis third, as direct
+    return lower.view(-1).index_put_((pairs,), exact.view(-1)).view(batch, kv_heads, tokens)
+
+
+def heavy_lower_bound(
+    weights: torch.Tensor,
+    top_weight: torch.Tensor,
+    heaviest: torch.Tensor,
+    output_norms: torch.Tensor,
+    value_norms: torch.Tensor,
+    rounding: float,
+) -> torch.Tensor:
+    """A lower bound ``(B, H_kv, g, 1)`` of each row's heaviest token's error in `stable_error`'s form as float32
+    computes it, from norms. Exactly, ``w ||Y - v|| = w ||X - S v|| / (S - w)`` for the weighted output ``X`` and
+    the row's sum ``S``, and ``||X - S v|| >= | ||X|| - S ||v|| |``. Less what float32 may be off by: the norms
+    (``rounding``, relative), the computed ``X`` and ``S`` (``gamma_N S M``, M the row's largest value norm,
+    ``gamma_N = N u`` for N tokens, u = 2^-24) and the stable form itself (``(2 gamma_N + 5u) M``, and a relative
+    ``gamma_n`` under `BOUND_MARGIN`), each taken at least twice over."""
+    sum_rounding = 2 * (weights.shape[-1] + 8) * 2.0**-24  # >= 2 gamma_N
+    total = weights.sum(-1, keepdim=True)  # S
+    largest = value_norms.amax(-1, keepdim=True) * (1 + rounding)  # (B, H_kv, 1, 1): M
+    norm = value_norms.expand(*top_weight.shape[:-1], -1).gather(-1, heaviest).mul_(total)  # S ||v||
+    near = (output_norms - norm).abs_().sub_((output_norms + norm) * rounding + 3 * sum_rounding * total * largest)
+    spare = total * (1 + sum_rounding) - top_weight  # >= S - w
+    moved = near.clamp_min_(0.0).div_(spare).sub_(3 * sum_rounding * largest)
+    return moved.clamp_min_(0.0).mul_(top_weight)
 
 
 def caote_score(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:

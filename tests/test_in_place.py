@@ -85,14 +85,17 @@ def test_fifty_decode_steps_allocate_no_new_keys_values_or_positions():
     ids = random_ids(3 * BLOCK, seed=6)
     with cache, torch.no_grad():
         out = prompt_then_step(model, cache, ids, BLOCK)
-        held = [(layer.keys, layer.values, layer.positions) for layer in cache.layers]
-        pointers = [[tensor.data_ptr() for tensor in tensors] for tensors in held]
-        shapes = [[tensor.shape for tensor in tensors] for tensors in held]
+
+        def held(layer):
+            return layer.keys, layer.values, layer.positions, layer.value_norms, layer._normed
+
+        pointers = [[tensor.data_ptr() for tensor in held(layer)] for layer in cache.layers]
+        shapes = [[tensor.shape for tensor in held(layer)] for layer in cache.layers]
         for _ in range(50):
             token = out.logits[:, -1:].argmax(-1)
             out = model(input_ids=token, cache=cache, use_cache=True)
-            assert [[t.data_ptr() for t in (x.keys, x.values, x.positions)] for x in cache.layers] == pointers
-            assert [[t.shape for t in (x.keys, x.values, x.positions)] for x in cache.layers] == shapes
+            assert [[t.data_ptr() for t in held(layer)] for layer in cache.layers] == pointers
+            assert [[t.shape for t in held(layer)] for layer in cache.layers] == shapes
         assert all(layer.retained == BUDGET and layer.keys.shape[-2] == BUDGET + 1 for layer in cache.layers)
         assert cache.stats().tokens_seen == ids.shape[1] + 51
 
@@ -109,6 +112,43 @@ def test_a_snapshot_taken_while_decoding_in_place_is_not_overwritten():
         assert decode_steps(model, cache, 6) == first
         cache.restore(snapshot)
         assert decode_steps(model, cache, 6) == first
+
+
+@pytest.mark.parametrize("policy", ["h2o+caote", "snapkv+fastcaote", "streamingllm"])
+def test_each_slot_s_value_norm_is_taken_once_for_its_token_and_is_its_value_s_norm(policy, monkeypatch):
+    """The bounds of `scoring.lowest_errors` read each slot's value norm from the layer: at a decode step only the
+    newly written slots' norms are taken (one per layer, batch row and KV head), every real slot's equals the norm
+    of the value it holds, a snapshot keeps its own, and a policy without a value-aware transform keeps none."""
+    model = tiny_model("llama")
+    ids = random_ids(3 * BLOCK, batch=2, seed=9)
+    taken = []
+    norms = EvictionLayer.held_value_norms
+
+    def counted(layer):
+        if layer.value_norms is not None:
+            taken.append(int((layer._normed != layer.positions).sum()))
+        return norms(layer)
+
+    monkeypatch.setattr(EvictionLayer, "held_value_norms", counted)
+    with EvictionCache(model, budget=BUDGET, policy=policy, block_size=BLOCK) as cache:
+        decode(model, cache, ids, 3)
+        layers = [layer for layer in cache.layers if isinstance(layer, EvictionLayer)]
+        if not cache.settings.policy.value_aware:
+            assert not taken and all(layer.value_norms is None for layer in layers)
+            return
+        snapshot = cache.snapshot()
+        for _ in range(4):
+            taken.clear()
+            with torch.no_grad():
+                model(input_ids=torch.full((2, 1), 5), cache=cache, use_cache=True)
+            assert sum(taken) == len(layers) * 2 * layers[0].keys.shape[1]
+            for layer in layers:
+                real = layer.positions >= 0
+                assert torch.equal(layer._normed[real], layer.positions[real])
+                want = torch.linalg.vector_norm(layer.values.float(), dim=-1)
+                torch.testing.assert_close(layer.value_norms[real], want[real], rtol=1e-6, atol=0)
+        for mine, live in zip(snapshot.layers, layers):
+            assert mine.value_norms.data_ptr() != live.value_norms.data_ptr()
 
 
 def decode_steps(model, cache, steps, token=5) -> list[int]:
@@ -391,7 +431,7 @@ def test_after_the_first_step_a_stack_is_a_view_of_its_layers_storage_not_a_copy
         out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
         layers = list(cache.layers)
         stack = EvictionLayer.stacked(layers)
-        for name in ("values", "positions", "history", "_sinks"):
+        for name in ("values", "positions", "history", "_sinks", "value_norms", "_normed"):
             assert getattr(stack, name).data_ptr() == getattr(layers[0], name).data_ptr(), name
             for index, layer in enumerate(layers):
                 assert torch.equal(getattr(stack, name)[index : index + 1], getattr(layer, name)), name
@@ -433,6 +473,7 @@ def test_decode_steps_scoring_only_their_candidates_keep_what_scoring_every_toke
 
     monkeypatch.setattr(scoring, "lowest_errors", counted)
     monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    monkeypatch.setattr(scoring, "MOST_CANDIDATES", 1.0)  # a tiny model's rows: the bounds run at every step
     with EvictionCache(model, **settings) as candidates:
         got = decode(model, candidates, ids, 12)
     assert bounded["ran"] >= 12 // interval

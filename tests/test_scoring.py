@@ -383,7 +383,8 @@ def test_bounded_errors_evict_what_the_direct_errors_evict(output, how, case, co
         weights, values, _, kept = bounded_case(seed, **case)
         errors = scoring.caote_errors if output is scoring.caote_output else scoring.fast_caote_errors
         direct = aggregate_groups(errors(weights, values, kept=kept), how)
-        bounded = scoring.lowest_errors(output(weights, values), weights, values, kept, count, how)
+        weighted = output is scoring.caote_output
+        bounded = scoring.lowest_errors(output(weights, values), weights, values, kept, count, how, weighted)
         assert bounded is not None
         unkept = ~kept.squeeze(2)
         assert (bounded[unkept] <= direct[unkept]).all()  # every entry is a lower bound
@@ -393,23 +394,81 @@ def test_bounded_errors_evict_what_the_direct_errors_evict(output, how, case, co
         assert (bounded == direct).sum() < 0.25 * bounded.numel()  # most tokens were never scored directly
 
 
+@pytest.mark.parametrize("how", scoring.GQA_AGGREGATIONS)
+def test_a_heavy_token_whose_value_is_the_others_mean_is_evicted_by_the_bounded_errors_too(how, monkeypatch):
+    """A token holding 90 % of every row of a group, its value within 1e-6 of the others' mean: its stable
+    error is the group's lowest, so its bound must let it through as a candidate and its exact error be the
+    stable form's; elsewhere the heavy tokens' bounds are lower bounds of their stable errors."""
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    weights, values, _, kept = bounded_case(4)
+    heavy = 150
+    weights[0, 1] = 0.1 / (weights.shape[-1] - 1)  # the others share a tenth evenly
+    weights[0, 1, :, heavy] = 0.9
+    others = weights[0, 1, 0].clone()
+    others[heavy] = 0.0
+    mean = (others / others.sum()) @ values[0, 1, 0]
+    values[0, 1, 0, heavy] = mean + 1e-6 * torch.randn(16, generator=torch.Generator().manual_seed(3))
+    output = scoring.weighted_values(weights, values)
+    direct = aggregate_groups(scoring.caote_errors(weights, values, kept=kept), how)
+    assert victims(direct, kept, 1)[0, 1, 0] == heavy
+    bounded = scoring.lowest_errors(output, weights, values, kept, 1, how, True)
+    unkept = ~kept.squeeze(2)
+    assert (bounded[unkept] <= direct[unkept]).all()
+    assert torch.equal(victims(bounded, kept, 1), victims(direct, kept, 1))
+    assert bounded[0, 1, heavy] == direct[0, 1, heavy]
+
+
 def test_bounded_errors_give_way_to_the_direct_ones_where_their_premises_fail(monkeypatch):
     monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
     weights, values, output, kept = bounded_case(0)
-    assert scoring.lowest_errors(output.double(), weights.double(), values.double(), kept, 1, "rss") is None
-    assert scoring.lowest_errors(output, weights, values, torch.ones_like(kept), 1, "rss") is None  # all kept
+    assert scoring.lowest_errors(output.double(), weights.double(), values.double(), kept, 1, "rss", True) is None
+    assert scoring.lowest_errors(output, weights, values, torch.ones_like(kept), 1, "rss", True) is None  # all kept
     flat = torch.full_like(weights, 1.0 / weights.shape[-1])  # every token alike: all of them candidates
     same = torch.ones_like(values)
-    assert scoring.lowest_errors(scoring.weighted_values(flat, same), flat, same, kept, 1, "rss") is None
-    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")  # bfloat16 products: no bound
-    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss") is None
+    assert scoring.lowest_errors(scoring.weighted_values(flat, same), flat, same, kept, 1, "rss", True) is None
+    broken = values.clone()
+    broken[1, 2, 0, 50, 3] = math.inf  # a non-finite value: its norm bounds nothing
+    assert (
+        scoring.lowest_errors(scoring.weighted_values(weights, broken), weights, broken, kept, 1, "rss", True) is None
+    )
+
+
+def test_bounded_errors_read_the_value_norms_they_are_given_and_no_matrix_product(monkeypatch):
+    """The bounds come from norms alone (a layer decoding in place hands its cached ones): given norms give the same
+    entries, and float32 products allowed a lower precision change nothing, as no product is taken."""
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    weights, values, output, kept = bounded_case(3, near=4)
+    computed = scoring.lowest_errors(output, weights, values, kept, 2, "rss", True)
+    norms = torch.linalg.vector_norm(values, dim=-1)
+    assert torch.equal(scoring.lowest_errors(output, weights, values, kept, 2, "rss", True, norms), computed)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
+    assert torch.equal(scoring.lowest_errors(output, weights, values, kept, 2, "rss", True), computed)
+
+
+def test_the_triangle_bounds_need_their_rounding_slack_where_they_are_tight(monkeypatch):
+    """Values parallel to the output make ``| ||x|| - ||v|| | = ||x - v||`` exact: only the slack for float32 norms
+    keeps the computed lower bounds below the computed distances, and without it some bound lies above."""
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    generator = torch.Generator().manual_seed(11)
+    weights = torch.softmax(torch.randn(2, 4, 1, 400, generator=generator) * 2, -1)
+    direction = torch.randn(2, 4, 1, 1, 64, generator=generator)
+    values = direction * (torch.rand(2, 4, 1, 400, 1, generator=generator) * 6 + 1)  # v_j = s_j u
+    kept = torch.zeros(2, 4, 1, 400, dtype=torch.bool)
+    output = scoring.weighted_values(weights, values)
+    direct = aggregate_groups(scoring.caote_errors(weights, values, kept=kept), "rss")
+    bounded = scoring.lowest_errors(output, weights, values, kept, 1, "rss", True)
+    assert (bounded <= direct).all()
+    assert torch.equal(victims(bounded, kept, 1), victims(direct, kept, 1))
+    monkeypatch.setattr(scoring, "NORM_ROUNDING", 0.0)
+    monkeypatch.setattr(scoring, "BOUND_MARGIN", 0.0)
+    assert not (scoring.lowest_errors(output, weights, values, kept, 1, "rss", True) <= direct).all()
 
 
 def test_bounded_errors_give_way_to_the_direct_ones_below_their_size(monkeypatch):
     weights, values, output, kept = bounded_case(2)  # 2 x 3 rows of 300 tokens
-    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss") is None
+    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss", True) is None
     monkeypatch.setattr(scoring, "BOUNDED_FROM", 2 * 3 * 300)
-    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss") is not None
+    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss", True) is not None
 
 
 def test_a_policy_told_how_many_go_scores_only_the_candidates_and_evicts_the_same(monkeypatch):
