@@ -193,8 +193,9 @@ class EvictionLayer(DynamicLayer):
 
     def held_value_norms(self) -> torch.Tensor | None:
         """``(B, H_kv, S)`` float32: the norm of every slot's value, taken once per token. A slot whose position is
-        not the one its norm was taken for (a token written since: decoded, restored, stacked) gets its norm now,
-        so no write path has to remember it; None unless the layer keeps them (in place, value-aware, CPU)."""
+        not the one its norm was taken for (a token decoded into it since) gets its norm now, so no write path has
+        to remember it: positions name tokens, as the learned policy's remembered key terms assume too (a decoded
+        token's position is one no held token has). None unless the layer keeps them (in place, value-aware, CPU)."""
         if self.value_norms is None:
             return None
         stale = (self._normed != self.positions).view(-1).nonzero().squeeze(-1)  # on the CPU the read-back is free
@@ -502,8 +503,9 @@ def evict_together(
     """Evict the ``layers`` (by layer index) of one decode step, each decoding in place and holding more than
     ``kept`` tokens, as one: every group of equal `EvictionLayer.stack_key` is scored as a single stack of its
     layers' batch rows (`EvictionLayer.stacked`; split into stacks of at most `STACK_BYTES` copied), so
-    the ~35 operators of a scored step run once per stack instead of once per layer, and each layer frees its own
-    rows' slots. ``inputs`` gives a stack's extra `ScoreInputs` from its
+    the ~35 operators of a scored step run once per stack instead of once per layer, and the slots are freed once
+    in the stack, whose positions and history are the layers' storage (each layer keeps its rows of the freed
+    slots as its free list). ``inputs`` gives a stack's extra `ScoreInputs` from its
     layers (by index) and the stack (the learned policy's predictor of those layers; what it writes to the stack's
     history or keys, the layers' storage, is theirs). The same arithmetic row by row as evicting them one at
     a time (and the same draws of the random base, taken in layer order)."""

@@ -278,7 +278,8 @@ def lowest_errors(
     monotone in every input) and widened by `BOUND_MARGIN`. A token whose lower bound exceeds the ``count``-th
     lowest upper bound cannot be evicted; its entry is that lower bound. The others (the candidates: a few per row,
     the rows of nearly even weight more) get the direct path's exact arithmetic, bit for bit (`distances` of their
-    values, `eviction_error`'s formula, `aggregate_groups`), so the ``count`` lowest entries, ties included, are
+    values, `eviction_error`'s formula, and `aggregate_groups` over a tensor of the direct path's shape, since the
+    order of a reduction's additions depends on the layout), so the ``count`` lowest entries, ties included, are
     those of the direct path.
 
     A token not kept that holds more than half a row's weight has `heaviest_token_error`'s stable form as its
@@ -286,7 +287,8 @@ def lowest_errors(
     weighted output ``X`` and the row's sum ``S`` (1 up to rounding), it is bounded below from the same norms,
     less what float32 may be off by in ``X``, ``S`` and the stable form itself (`heavy_lower_bound`); its upper
     bound certifies nothing, and only where it is a candidate is the stable form computed. ``weighted``: ``output``
-    is the weighted output (CAOTE); for FastCAOTE's mean the heavy token is always a candidate.
+    is the weighted output (CAOTE); FastCAOTE's mean is not, nor is an output whose products ran in a lower
+    precision (`full_float32_products`): the heavy token's own entry then bounds nothing (0).
 
     ``output`` ``(B, H_kv, g or 1, d)`` (`caote_output` / `fast_caote_output`), ``weights`` ``(B, H_kv, g, N)`` float32
     summing to 1, ``values`` ``(B, H_kv, 1, N, d)`` float32, ``kept`` ``(B, H_kv, 1, N)`` bool. None where the
@@ -308,30 +310,32 @@ def lowest_errors(
     reach = output_norms + value_norms  # (B, H_kv, g or 1, N)
     nearest = (output_norms - value_norms).abs_().sub_(reach, alpha=rounding).clamp_min_(0.0)
     factor = weights / (1.0 - weights).clamp_min(0.5)
-    upper, lower = factor * reach, factor * nearest  # (B, H_kv, g, N), before the rounding of the far side
+    upper, lower = factor * reach.mul_(1 + rounding), factor * nearest  # (B, H_kv, g, N), per query head
     top_weight, heaviest = weights.max(-1, keepdim=True)  # (B, H_kv, g, 1)
     heavier = (top_weight > 0.5) & ~kept.expand_as(weights).gather(-1, heaviest)
     heavy = bool(heavier.any())  # on the CPU the read-back is free
     if heavy:  # its stable form: bounded below (CAOTE's weighted output), its upper bound certifies nothing
         upper.scatter_(-1, heaviest, torch.where(heavier, math.inf, upper.gather(-1, heaviest)))
-        bound = 0.0  # FastCAOTE's mean is not the weighted output the bound is taken from
-        if weighted:
+        bound = 0.0  # the heavy token's own entry, where the bound below does not hold
+        if weighted and full_float32_products():
             bound = heavy_lower_bound(weights, top_weight, heaviest, output_norms, value_norms, rounding)
         lower.scatter_(-1, heaviest, torch.where(heavier, bound, lower.gather(-1, heaviest)))
-    upper = aggregate_groups(upper, how).mul_((1 + rounding) * (1 + BOUND_MARGIN))
+    entries = lower  # per query head: the candidates' exact errors are written here and aggregated as direct
+    upper = aggregate_groups(upper, how).mul_(1 + BOUND_MARGIN)
     lower = aggregate_groups(lower, how).mul_(1 - BOUND_MARGIN)
     upper.masked_fill_(kept.squeeze(2), math.inf)
     lower.masked_fill_(kept.squeeze(2), math.inf)
     threshold = upper.amin(-1, keepdim=True) if count == 1 else upper.kthvalue(count, dim=-1, keepdim=True).values
     if not torch.isfinite(threshold).all():  # fewer than ``count`` tokens to certify against
         return None
-    pairs = (lower <= threshold).view(-1).nonzero().squeeze(-1)  # (P,) candidates, flat over (B * H_kv * N)
+    candidates = lower <= threshold  # (B, H_kv, N)
+    pairs = candidates.view(-1).nonzero().squeeze(-1)  # (P,) flat over (B * H_kv * N)
     if pairs.numel() > MOST_CANDIDATES * lower.numel():
         return None
     rows, token = pairs.div(tokens, rounding_mode="floor"), pairs.remainder(tokens)
     chosen_values = values.reshape(-1, dim).index_select(0, pairs).unsqueeze(1)  # (P, 1, d)
     chosen_outputs = output.reshape(batch * kv_heads, -1, dim).index_select(0, rows)  # (P, g or 1, d)
-    chosen_weights = weights.view(batch * kv_heads, group, tokens)[rows, :, token]  # (P, g)
+    chosen_weights = weights.reshape(batch * kv_heads, group, tokens).transpose(1, 2)[rows, token]  # (P, g)
     # `distances`' direct mode, pair by pair: the same sum over head_dim as the direct path's
     distance = torch.cdist(chosen_outputs, chosen_values, compute_mode="donot_use_mm_for_euclid_dist").squeeze(-1)
     error = chosen_weights / (1.0 - chosen_weights).clamp_min(0.5) * distance
@@ -340,8 +344,15 @@ def lowest_errors(
         if own.any():
             stable = heaviest_token(weights, values, kept)[2]
             error = torch.where(own, stable.view(-1, group)[rows], error)
-    exact = aggregate_groups(error.t().contiguous().view(1, 1, group, -1), how)  # the group axis third, as direct
-    return lower.view(-1).index_put_((pairs,), exact.view(-1)).view(batch, kv_heads, tokens)
+    entries.view(batch * kv_heads, group, tokens).transpose(1, 2).index_put_((rows, token), error)
+    return torch.where(candidates, aggregate_groups(entries, how), lower)
+
+
+def full_float32_products() -> bool:
+    """Whether float32 matrix products on the CPU run in float32, with no bfloat16 or TF32 inside them
+    (`torch.backends.mkldnn.matmul.fp32_precision`, which `torch.set_float32_matmul_precision` sets too): what
+    `heavy_lower_bound` assumes of the weighted outputs it is taken against."""
+    return torch.backends.mkldnn.matmul.fp32_precision in ("none", "ieee")
 
 
 def heavy_lower_bound(

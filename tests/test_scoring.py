@@ -345,12 +345,13 @@ def test_the_fused_compiled_errors_equal_the_eager_ones_up_to_float32_rounding(e
     torch.testing.assert_close(errors(weights, values, fused=True), errors(weights, values), rtol=1e-5, atol=1e-7)
 
 
-def bounded_case(seed: int, tokens: int = 300, near: int = 0, heavy: bool = False, ties: bool = False):
+def bounded_case(seed: int, tokens: int = 300, near: int = 0, heavy: bool = False, ties: bool = False, group: int = 3):
     """Decode-step inputs of `scoring.lowest_errors`: softmax weights over ``tokens``, values ``(2, 3, 1, N, 16)``
-    with an output of 3 query heads per KV head; ``near`` values put within 1e-5 of the output (the expansion's
-    worst case), a heavy unkept token, or every value equal to another's (exact ties)."""
+    with an output of ``group`` query heads per KV head; ``near`` values put within 1e-5 of the output (where the
+    norms' difference is far below their size), a heavy unkept token, or every value equal to another's (exact
+    ties)."""
     generator = torch.Generator().manual_seed(seed)
-    weights = torch.softmax(torch.randn(2, 3, 3, tokens, generator=generator) * 2.5, -1)
+    weights = torch.softmax(torch.randn(2, 3, group, tokens, generator=generator) * 2.5, -1)
     if heavy:
         weights[0, 1, 2, 7] = 40.0  # unkept (not a sink, not the newest)
         weights = weights / weights.sum(-1, keepdim=True)
@@ -360,7 +361,7 @@ def bounded_case(seed: int, tokens: int = 300, near: int = 0, heavy: bool = Fals
         weights[..., tokens // 2 :] = weights[..., : tokens - tokens // 2]
     output = scoring.weighted_values(weights, values)
     for token in range(10, 10 + near):  # a value at the output: ||x - v|| ~ 1e-5 beside norms of ~20
-        values[:, :, 0, token] = output[:, :, token % 3] + 1e-5 * torch.randn(2, 3, 16, generator=generator)
+        values[:, :, 0, token] = output[:, :, token % group] + 1e-5 * torch.randn(2, 3, 16, generator=generator)
     output = scoring.weighted_values(weights, values)
     kept = torch.zeros(2, 3, 1, tokens, dtype=torch.bool)
     kept[..., :4] = True  # sinks
@@ -375,10 +376,15 @@ def victims(scores: torch.Tensor, kept: torch.Tensor, count: int) -> torch.Tenso
 
 @pytest.mark.parametrize("output", [scoring.caote_output, scoring.fast_caote_output])
 @pytest.mark.parametrize("how", scoring.GQA_AGGREGATIONS)
-@pytest.mark.parametrize("case", [{}, {"near": 12}, {"heavy": True}, {"ties": True}, {"near": 6, "heavy": True}])
+@pytest.mark.parametrize(
+    "case",
+    [{}, {"near": 12}, {"heavy": True}, {"ties": True}, {"near": 6, "heavy": True}, {"group": 5, "ties": True}]
+    + [{"group": 8, "heavy": True}, {"group": 7, "near": 6}],
+)
 @pytest.mark.parametrize("count", [1, 3])
 def test_bounded_errors_evict_what_the_direct_errors_evict(output, how, case, count, monkeypatch):
     monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)  # small cases: the bounds would give way to the direct path
+    monkeypatch.setattr(scoring, "MOST_CANDIDATES", 1.0)  # and so might these synthetic rows (10-26 % candidates)
     for seed in range(3):
         weights, values, _, kept = bounded_case(seed, **case)
         errors = scoring.caote_errors if output is scoring.caote_output else scoring.fast_caote_errors
@@ -391,7 +397,7 @@ def test_bounded_errors_evict_what_the_direct_errors_evict(output, how, case, co
         chosen = victims(bounded, kept, count)
         assert torch.equal(chosen, victims(direct, kept, count))
         assert torch.equal(bounded.gather(-1, chosen), direct.gather(-1, chosen))  # exact, bit for bit
-        assert (bounded == direct).sum() < 0.25 * bounded.numel()  # most tokens were never scored directly
+        assert (bounded == direct).sum() < 0.3 * bounded.numel()  # most tokens were never scored directly
 
 
 @pytest.mark.parametrize("how", scoring.GQA_AGGREGATIONS)
@@ -433,16 +439,38 @@ def test_bounded_errors_give_way_to_the_direct_ones_where_their_premises_fail(mo
     )
 
 
-def test_bounded_errors_read_the_value_norms_they_are_given_and_no_matrix_product(monkeypatch):
-    """The bounds come from norms alone (a layer decoding in place hands its cached ones): given norms give the same
-    entries, and float32 products allowed a lower precision change nothing, as no product is taken."""
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+def test_bounded_errors_read_the_value_norms_they_are_given():
+    """The bounds come from norms alone (a layer decoding in place hands its cached ones): given norms, the same
+    entries."""
     weights, values, output, kept = bounded_case(3, near=4)
-    computed = scoring.lowest_errors(output, weights, values, kept, 2, "rss", True)
-    norms = torch.linalg.vector_norm(values, dim=-1)
-    assert torch.equal(scoring.lowest_errors(output, weights, values, kept, 2, "rss", True, norms), computed)
-    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
-    assert torch.equal(scoring.lowest_errors(output, weights, values, kept, 2, "rss", True), computed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scoring, "BOUNDED_FROM", 0)
+        computed = scoring.lowest_errors(output, weights, values, kept, 2, "rss", True)
+        norms = torch.linalg.vector_norm(values, dim=-1)
+        assert torch.equal(scoring.lowest_errors(output, weights, values, kept, 2, "rss", True, norms), computed)
+
+
+def test_the_heavy_token_is_bounded_only_under_float32_products(monkeypatch):
+    """`heavy_lower_bound` assumes the weighted output came from float32 products: under bfloat16 ones (set by
+    either precision API) the heavy token's own entry bounds nothing, and the same tokens still go."""
+    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    assert scoring.full_float32_products()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert not scoring.full_float32_products()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert scoring.full_float32_products()
+    weights, values, output, kept = bounded_case(5, heavy=True)
+    direct = aggregate_groups(scoring.caote_errors(weights, values, kept=kept), "rss")
+    calls = []
+    bound = scoring.heavy_lower_bound
+    monkeypatch.setattr(scoring, "heavy_lower_bound", lambda *a: calls.append(1) or bound(*a))
+    for full in (True, False):
+        monkeypatch.setattr(scoring, "full_float32_products", lambda: full)
+        bounded = scoring.lowest_errors(output, weights, values, kept, 1, "rss", True)
+        assert torch.equal(victims(bounded, kept, 1), victims(direct, kept, 1))
+        assert len(calls) == 1
 
 
 def test_the_triangle_bounds_need_their_rounding_slack_where_they_are_tight(monkeypatch):
