@@ -277,8 +277,8 @@ def lowest_errors(
     norms may be off by), then carried through ``w / (1 - w)`` and the group's aggregation (rss, mean and max are
     monotone in every input) and widened by `BOUND_MARGIN`. A token whose lower bound exceeds the ``count``-th
     lowest upper bound cannot be evicted; its entry is that lower bound. The others (the candidates: a few per row,
-    the rows of nearly even weight more) get the direct path's exact arithmetic, bit for bit (`distances` of their
-    values, `eviction_error`'s formula, and `aggregate_groups` over a tensor of the direct path's shape, since the
+    the rows of nearly even weight more) get the direct path's exact arithmetic, bit for bit (`distances`' `cdist`
+    pair by pair, `eviction_error`'s formula, and `aggregate_groups` over a tensor of the direct path's shape, since the
     order of a reduction's additions depends on the layout), so the ``count`` lowest entries, ties included, are
     those of the direct path.
 
