@@ -410,7 +410,7 @@ def parse_policy(name: str) -> Policy:
     if isinstance(name, str) and "/" in name:
         stem, _, gqa = name.strip().lower().partition("/")
         policy = parse_policy(stem)
-        if policy.transform == "none" or gqa not in scoring.GQA_AGGREGATIONS:
+        if not policy.value_aware or gqa not in scoring.GQA_AGGREGATIONS:
             raise ValueError(
                 f"policy {name!r}: '/<gqa>' follows a value-aware policy (e.g. 'tova+caote/mean') and names one of "
                 f"{', '.join(scoring.GQA_AGGREGATIONS)}"
@@ -458,7 +458,7 @@ def describe(name: str) -> str:
     if policy.base is None:
         return "keep every token (no eviction; the reference)"
     text = f"{policy.base.about.summary} [{policy.base.about.reference}]"
-    if policy.transform != "none":
+    if policy.value_aware:
         text += f"; {TRANSFORM_SUMMARIES[policy.transform]}"
     if policy.gqa is not None:
         text += f"; a KV group's query heads combined by {policy.gqa}"

@@ -154,18 +154,32 @@ def heaviest_token(weights: torch.Tensor, values: torch.Tensor, kept: torch.Tens
     does), each ``(..., 1)``: ``w_j * ||X_-j / rest - v_j||`` with ``X_-j`` and ``rest`` the weighted sum and the
     weight of the other tokens, ``+inf`` when they have none. On the CPU, when such rows are few (a decode step's
     unkept heavy tokens), only their values are read (elsewhere the error is 0)."""
+    top_weight, heaviest, heavy = heavy_rows(weights, kept)
+    return heaviest, heavy, heavy_stable_errors(weights, values, top_weight, heaviest, heavy)
+
+
+def heavy_rows(weights: torch.Tensor, kept: torch.Tensor | None = None) -> tuple:
+    """Each row's heaviest token, ``(..., 1)`` each: its weight, its index, and whether it holds more than half the
+    row and is not ``kept`` (bool, broadcast against the weights)."""
     top_weight, heaviest = weights.max(-1, keepdim=True)
     heavy = top_weight > 0.5
     if kept is not None:
         heavy &= ~kept.expand_as(weights).gather(-1, heaviest)
+    return top_weight, heaviest, heavy
+
+
+def heavy_stable_errors(
+    weights: torch.Tensor, values: torch.Tensor, top_weight: torch.Tensor, heaviest: torch.Tensor, heavy: torch.Tensor
+) -> torch.Tensor:
+    """`heaviest_token`'s stable errors ``(..., 1)`` given `heavy_rows`' answer, read only where ``heavy``."""
     if weights.device.type == "cpu" and weights.dim() > 1:  # reading back which rows is free on the CPU
         rows = torch.nonzero(heavy.flatten()).squeeze(-1)
         if 2 * rows.numel() <= values.shape[:-2].numel():  # few: copying their values costs less than reading all
             at = torch.unravel_index(rows, heavy.shape[:-1])
             own = values.expand(*weights.shape[:-1], *values.shape[-2:])[at]  # (R, N, d)
             stable = stable_error(weights[at], own, top_weight[at], heaviest[at])
-            return heaviest, heavy, torch.zeros_like(top_weight).index_put_(at, stable)
-    return heaviest, heavy, stable_error(weights, values, top_weight, heaviest)
+            return torch.zeros_like(top_weight).index_put_(at, stable)
+    return stable_error(weights, values, top_weight, heaviest)
 
 
 def stable_error(
@@ -311,8 +325,7 @@ def lowest_errors(
     nearest = (output_norms - value_norms).abs_().sub_(reach, alpha=rounding).clamp_min_(0.0)
     factor = weights / (1.0 - weights).clamp_min(0.5)
     upper, lower = factor * reach.mul_(1 + rounding), factor * nearest  # (B, H_kv, g, N), per query head
-    top_weight, heaviest = weights.max(-1, keepdim=True)  # (B, H_kv, g, 1)
-    heavier = (top_weight > 0.5) & ~kept.expand_as(weights).gather(-1, heaviest)
+    top_weight, heaviest, heavier = heavy_rows(weights, kept)  # (B, H_kv, g, 1)
     heavy = bool(heavier.any())  # on the CPU the read-back is free
     if heavy:  # its stable form: bounded below (CAOTE's weighted output), its upper bound certifies nothing
         upper.scatter_(-1, heaviest, torch.where(heavier, math.inf, upper.gather(-1, heaviest)))
@@ -342,7 +355,7 @@ def lowest_errors(
     if heavy:  # a heavy candidate gets the stable form, as `heaviest_token_error` gives it
         own = (heaviest.view(-1, group)[rows] == token.unsqueeze(1)) & heavier.view(-1, group)[rows]
         if own.any():
-            stable = heaviest_token(weights, values, kept)[2]
+            stable = heavy_stable_errors(weights, values, top_weight, heaviest, heavier)
             error = torch.where(own, stable.view(-1, group)[rows], error)
     entries.view(batch * kv_heads, group, tokens).transpose(1, 2).index_put_((rows, token), error)
     return torch.where(candidates, aggregate_groups(entries, how), lower)
