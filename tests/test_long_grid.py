@@ -9,7 +9,7 @@ import pytest
 from test_report_grids import report_config
 
 from caote.evaluation.data import count_tokens, essays, joined_essay_excerpts
-from caote.evaluation.grids import LONG_GRID, LONG_TAIL, part_configs, planned_rows
+from caote.evaluation.grids import GEMMA_NIAH_POLICIES, LONG_GRID, LONG_TAIL, part_configs, planned_rows
 from caote.evaluation.perplexity import domain_texts
 from caote.models import BUNDLED, GEMMA3, check_model_name
 
@@ -17,27 +17,32 @@ from caote.models import BUNDLED, GEMMA3, check_model_name
 def test_the_long_grid_runs_each_part_on_its_model_with_the_tail_scored_and_no_fidelity(tmp_path):
     config = report_config("--grid", "long", "--out", str(tmp_path))
     configs = part_configs(LONG_GRID, config, tmp_path / "runs")
-    texts = ["smollm2-essays-4k", "smollm2-code-4k", "gemma3-essays-8k"]
-    assert list(configs) == texts[:2] + ["smollm2-niah-4k", texts[2], "gemma3-niah-8k"]
+    texts = ["smollm2-essays-4k", "smollm2-code-4k", "gemma3-essays-8k", "gemma3-code-8k"]
+    assert list(configs) == texts[:2] + ["smollm2-niah-4k", texts[2], "gemma3-niah-8k", texts[3]]
     for key in texts:
         part = configs[key]
         assert part.out == tmp_path / "runs" / key  # two parts of one task keep their rows apart
         assert part.scored_tail == LONG_TAIL and part.fidelity is False and part.budgets == [256, 1024]
+        assert "snapkv+caote" in part.policies and "oracle" in part.policies
     models = [part.model for part in configs.values()]
-    assert models == ["smollm2-135m"] * 3 + ["gemma3-270m"] * 2  # one load per model
-    for key in ("smollm2-niah-4k", "gemma3-niah-8k"):
-        niah = configs[key]
-        assert niah.policies == ["full", "h2o", "h2o+caote", "tova+caote"] and niah.budgets == [256]
-        assert niah.protocols == ["in-prompt"] and len(niah.depths) * niah.samples == 10
-    assert configs["smollm2-code-4k"].benchmark == "perplexity-code" and "oracle" in configs["smollm2-code-4k"].policies
+    assert models == ["smollm2-135m"] * 3 + ["gemma3-270m"] * 3  # one load per model
+    small = configs["smollm2-niah-4k"]
+    assert small.policies == ["full", "h2o", "h2o+caote", "tova+caote"] and small.budgets == [256]
+    assert small.protocols == ["in-prompt"] and len(small.depths) * small.samples == 10
+    gemma = configs["gemma3-niah-8k"]  # where the full cache finds the needle: both protocols, three budgets
+    assert gemma.policies == list(GEMMA_NIAH_POLICIES) and gemma.budgets == [256, 1024, 2048]
+    assert gemma.protocols == ["in-prompt", "question-after"] and len(gemma.depths) * gemma.samples == 10
+    assert configs["gemma3-code-8k"].benchmark == "perplexity-code"
     assert all("learned+caote" in configs[key].policies for key in texts)  # a predictor committed for each model
-    # 10 texts x (full + 8 policies x 2 budgets) per part; NIAH: 10 examples x (full + 3 policies at one budget)
+    # 10 texts x (full + 9 policies x 2 budgets) per texts part; NIAH: 10 examples x protocols x (full + policies x
+    # budgets)
     assert planned_rows(configs) == {
-        "smollm2-essays-4k": 170,
-        "smollm2-code-4k": 170,
+        "smollm2-essays-4k": 190,
+        "smollm2-code-4k": 190,
         "smollm2-niah-4k": 40,
-        "gemma3-essays-8k": 170,
-        "gemma3-niah-8k": 40,
+        "gemma3-essays-8k": 190,
+        "gemma3-niah-8k": 20 * (1 + 6 * 3),
+        "gemma3-code-8k": 190,
     }
 
 
@@ -166,7 +171,7 @@ def test_the_long_document_is_written_alone_and_spliced_into_results_md_which_th
     document = tmp_path / "results" / "long.md"
     write_long_md(document, LONG_GRID, configs, rows, planned, tmp_path / "results", results_md)
     alone = document.read_text(encoding="utf-8")
-    assert alone.startswith("# Long contexts") and "**Incomplete run:** smollm2-essays-4k has 24 of 170" in alone
+    assert alone.startswith("# Long contexts") and "**Incomplete run:** smollm2-essays-4k has 24 of 190" in alone
     assert "## SmolLM2-135M-Instruct · essays (joined) · 4096 tokens" in alone
     assert "CAOTE lowers the KL from the full cache for H2O" in alone and "attn-output error" not in alone
     assert "](long_kl_vs_budget.png)" in alone  # the plot, linked from docs/results/

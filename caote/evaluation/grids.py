@@ -113,11 +113,33 @@ STANDARD_GRID = Grid(
 # the last 1,024 tokens' predictions are scored (a pass costs the model body over every token) and the fidelity
 # probe is off. Essays at these lengths are windows of the split's essays joined into one stream (9 test essays
 # reach 4k, one 8k). Parts by model (one load each): SmolLM2 at 4k (essays, code, NIAH), Gemma-3 270M at 8k
-# (essays, NIAH).
-LONG_POLICIES = ("streamingllm", "h2o", "h2o+caote", "tova", "tova+caote", "caote-block", "oracle", "learned+caote")
+# (essays, code, NIAH in both protocols at three budgets: the model finds 9 of 10 pass keys with the full cache).
+LONG_POLICIES = (
+    "streamingllm",
+    "h2o",
+    "h2o+caote",
+    "tova",
+    "tova+caote",
+    "snapkv+caote",
+    "caote-block",
+    "oracle",
+    "learned+caote",
+)
 LONG_TAIL = 1024
 LONG_NIAH_POLICIES = ("full", "h2o", "h2o+caote", "tova+caote")
-LONG_NIAH_DEPTHS = (20, 40, 60, 80, 90)  # x 2 samples: 10 examples per cell, in-prompt
+LONG_NIAH_DEPTHS = (20, 40, 60, 80, 90)  # x 2 samples: 10 examples per cell and protocol
+# Gemma-3 at 8k, where retrieval survives the length: every causal policy family of the long grid but plain H2O /
+# TOVA, at the budgets where a quarter, an eighth and a thirty-second of the prompt is kept
+GEMMA_NIAH_POLICIES = (
+    "full",
+    "streamingllm",
+    "h2o+caote",
+    "tova+caote",
+    "snapkv+caote",
+    "caote-block",
+    "learned+caote",
+)
+GEMMA_NIAH_BUDGETS = (256, 1024, 2048)
 
 
 def _long_text_part(task: str, length: int, model: str, label: str) -> GridPart:
@@ -125,17 +147,25 @@ def _long_text_part(task: str, length: int, model: str, label: str) -> GridPart:
     return GridPart(task, (length,), 10, model=model, scored_tail=LONG_TAIL, fidelity=False, label=label)
 
 
-def _long_niah_part(length: int, model: str, label: str) -> GridPart:
-    """A NIAH part of the long grid: in-prompt, 10 examples, `LONG_NIAH_POLICIES` at budget 256."""
+def _long_niah_part(
+    length: int,
+    model: str,
+    label: str,
+    policies: tuple[str, ...] = LONG_NIAH_POLICIES,
+    budgets: tuple[int, ...] = (256,),
+    protocols: tuple[str, ...] = ("in-prompt",),
+) -> GridPart:
+    """A NIAH part of the long grid: 10 examples per cell and protocol (default: in-prompt, `LONG_NIAH_POLICIES`
+    at budget 256)."""
     return GridPart(
         "niah",
         (length,),
         2,
         depths=LONG_NIAH_DEPTHS,
-        protocols=("in-prompt",),
+        protocols=protocols,
         model=model,
-        policies=LONG_NIAH_POLICIES,
-        budgets=(256,),
+        policies=policies,
+        budgets=budgets,
         label=label,
     )
 
@@ -149,7 +179,15 @@ LONG_GRID = Grid(
         _long_text_part("perplexity-code", 4096, "smollm2-135m", "smollm2-code-4k"),
         _long_niah_part(4096, "smollm2-135m", "smollm2-niah-4k"),
         _long_text_part("perplexity-joined", 8192, "gemma3-270m", "gemma3-essays-8k"),
-        _long_niah_part(8192, "gemma3-270m", "gemma3-niah-8k"),
+        _long_niah_part(
+            8192,
+            "gemma3-270m",
+            "gemma3-niah-8k",
+            GEMMA_NIAH_POLICIES,
+            GEMMA_NIAH_BUDGETS,
+            ("in-prompt", "question-after"),
+        ),
+        _long_text_part("perplexity-code", 8192, "gemma3-270m", "gemma3-code-8k"),
     ),
     policies=LONG_POLICIES,
     notes=(
