@@ -30,8 +30,8 @@ _LAZY = {
     "expand_policies": "caote.policies",
     "parse_policy": "caote.policies",
     "policy_names": "caote.policies",
-    "caote_score": "caote.scoring",
-    "fast_caote_score": "caote.scoring",
+    "caote_score": "caote.value_aware",
+    "fast_caote_score": "caote.value_aware",
 }
 
 __all__ = sorted(_LAZY)

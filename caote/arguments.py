@@ -1,5 +1,5 @@
-"""Command-line values shared by every subcommand: the one `UsageError`, the parser class, the number parsers and
-the quieting of transformers' progress bars.
+"""Command-line values shared by every subcommand: the one `UsageError`, the parser class, `add_subcommand`, the
+number parsers and the quieting of transformers' progress bars.
 
 Lower layers raise a plain `ValueError`; a subcommand's command-line module turns the ones that come from a bad
 argument into `UsageError`, which `caote.cli.main` reports in one line with exit code 2.
@@ -26,6 +26,16 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_subcommand(subparsers, name: str, run, help: str, description: str, arguments=None) -> argparse.ArgumentParser:
+    """Register the subcommand ``name``: its one-line ``help`` in ``caote --help``, its ``description``, its options
+    (``arguments(parser)``, which adds them in --help order) and ``run(args) -> int`` as its ``func``."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    if arguments is not None:
+        arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
 
 
 def parse_int(text: str, minimum: int | None = None) -> int:

@@ -217,7 +217,7 @@ def decode_attention(module: nn.Module, query: torch.Tensor, slots: SlotViews, k
     """A lone decoding float32 query's attention over every slot (no mask), once for both the layer and its policy:
     returns the output ``(B, 1, H_q, d_v)``, as the model's kernel returns it, the probabilities
     ``(B, H_q, 1, N)``, as `attention_probabilities` computes them, and the output again where it is the group's
-    ``bmm`` of those probabilities, bit for bit what `caote.scoring.weighted_values` gives (else None).
+    ``bmm`` of those probabilities, bit for bit what `caote.value_aware.weighted_values` gives (else None).
 
     ``softmax(q k^T * scaling)``, then the probabilities times the values: the model's own computation up to the
     order of additions (the cache calls it for float32 queries only, `EvictionCache.attends`). A KV head's query

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from caote.attention import ForwardSwitch, SlotViews, active_forward, attention_modules, sliding_windows
 from caote.future import FutureAttention
 from caote.layer import EvictionLayer, layer_bytes
+from caote.recording import reads_row_now
 from caote.settings import CacheSettings
 from caote.strategies import CacheContext, strategy_for
 
@@ -149,16 +150,13 @@ class EvictionCache(Cache):
     Parameters
     ----------
     model:
-        The model the cache serves (a supported family, sdpa or eager attention; see the README's family table).
-        The cache adds two hooks to its decoder, which hand it the attention of the forwards given this cache only,
-        and keeps the model under caote's attention dispatcher (`caote.attention`); `close` (or leaving a ``with
-        EvictionCache(...) as cache:`` block, or dropping the cache) removes the hooks and, with the model's last
-        cache, the dispatcher.
+        The model the cache serves (a supported family, sdpa or eager attention; the README's family table). The
+        cache hooks its decoder and keeps the model under caote's attention dispatcher (`caote.attention`) until
+        `close` (or the end of a ``with`` block, or the cache's collection).
     settings:
-        A `caote.settings.CacheSettings` (its docstring describes each field: budget, policy, block size, sinks,
-        recent window, gqa, decode interval, seed), or its fields as keyword arguments (each default is in
-        `caote.defaults`); validated once, when built. As before the settings object, the budget and the policy may
-        also come positionally: ``EvictionCache(model, 256, "h2o")``.
+        A `caote.settings.CacheSettings` (its docstring describes each field), or its fields as keyword arguments;
+        validated once, when built. The budget and the policy may also come positionally:
+        ``EvictionCache(model, 256, "h2o")``.
     future:
         The `caote.future.FutureAttention` of the teacher-forced text this cache will read, required by the
         ``oracle`` policy (and only by it): a hindsight ceiling for evaluation, which no generation can provide.
@@ -204,8 +202,8 @@ class EvictionCache(Cache):
         self._bytes = ByteLedger(self.layers)
         self._shared = ForwardShared()
         self.frozen = False
-        self._decodes_in_place = self.strategy is not None and self.strategy.decodes_in_place
-        self._set_in_place(self._decodes_in_place)
+        self._slots_allowed = self.strategy is not None and self.strategy.decodes_in_place
+        self._set_in_place(self._slots_allowed)
         self._switch = ForwardSwitch(model, self)
 
     @property
@@ -261,7 +259,7 @@ class EvictionCache(Cache):
         """Let (or stop) every evicting layer decode in place; a layer stopped returns to arrival order."""
         for layer in self.layers:
             if isinstance(layer, EvictionLayer):
-                layer.decodes_in_place = allowed
+                layer.slots_allowed = allowed
                 if not allowed:
                     layer.leave_slots()
 
@@ -269,7 +267,7 @@ class EvictionCache(Cache):
         """Forget every token and all scoring state, ready for a new sequence."""
         super().reset()
         self.frozen = False
-        self._set_in_place(self._decodes_in_place)
+        self._set_in_place(self._slots_allowed)
         self._bytes.reset(self.layers)
         self._generator = None
         self._shared.clear()
@@ -288,7 +286,7 @@ class EvictionCache(Cache):
         self.layers = [_detached(layer) for layer in snapshot.layers]
         for layer in self.layers:  # a snapshot of another cache (the evaluation's full-cache prefix) evicts as this one
             if isinstance(layer, EvictionLayer):
-                layer.adopt(self.settings, self._decodes_in_place and not self.frozen)
+                layer.adopt(self.settings, self._slots_allowed and not self.frozen)
         if self.strategy is not None:
             self.strategy.restored(self.layers)
         self._shared.clear()
@@ -323,31 +321,21 @@ class EvictionCache(Cache):
     # -- eviction ------------------------------------------------------------------------------------------------
 
     def attention_mask(self, module: nn.Module, queries, attention_mask, additive: bool):
-        """The mask ``module``'s attention should use: the model's, or for a layer decoding in place the one over its
-        slots (`EvictionLayer.slot_mask`; ``additive`` for eager attention)."""
+        """The mask ``module``'s attention should use (`EvictionLayer.attention_mask`; ``additive`` for eager
+        attention): the model's, but where a layer holds slots that it does not (decoding in place, a padded batch's
+        rows out of phase)."""
         layer = self.layers[module.layer_idx]
-        if isinstance(layer, EvictionLayer) and layer.in_place and queries.shape[-2] == 1:
-            return layer.slot_mask(attention_mask, queries, additive)
-        return attention_mask
+        if not isinstance(layer, EvictionLayer):
+            return attention_mask
+        return layer.attention_mask(attention_mask, queries, additive)
 
     def attends(self, module: nn.Module, queries) -> SlotViews | None:
         """The layer's slot views when caote computes ``module``'s attention in this call
-        (`caote.attention.decode_attention`): a lone float32 query of a layer decoding in place that reads its
-        attention row now (`EvictionLayer.reads_row_now`), so the row comes from the call itself instead of a second
-        pass. In a lower precision the model's kernel keeps computing the output, so that a decode step in place
-        gives the same output as one in arrival order."""
+        (`caote.attention.decode_attention`, decided by `caote.recording.reads_row_now`), so the row comes from the
+        call itself instead of a second pass."""
         layer = self.layers[module.layer_idx]
-        if (
-            queries.shape[-2] == 1
-            and queries.dtype == torch.float32  # elsewhere the model's kernel keeps the output in its own dtype
-            and isinstance(layer, EvictionLayer)
-            and self.strategy is not None
-            and not self.frozen
-            and not module.training
-            and layer.reads_row_now()
-        ):
-            return layer.slot_views()
-        return None
+        evicting = isinstance(layer, EvictionLayer) and self.strategy is not None and not self.frozen
+        return layer.slot_views() if evicting and reads_row_now(layer, module, queries) else None
 
     def after_attention(
         self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None, output=None

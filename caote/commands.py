@@ -1,8 +1,8 @@
-"""``caote generate``, ``caote policies`` and ``caote calibrate``: the user-facing subcommands of the ``caote`` CLI.
+"""``caote generate`` and ``caote policies``: the user-facing subcommands of the ``caote`` CLI (``caote calibrate``
+is `caote.calibrate_command`).
 
 ``caote generate`` answers one prompt with a bounded KV cache, streaming the answer to stdout; ``caote policies``
-prints every eviction policy with a one-line description and its reference; ``caote calibrate`` fits the learned
-policy's predictor for a model (`caote.evaluation.calibration`).
+prints every eviction policy with a one-line description and its reference.
 """
 
 from __future__ import annotations
@@ -16,186 +16,32 @@ from pathlib import Path
 
 from caote.arguments import (
     UsageError,
+    add_subcommand,
     hide_loading_bars,
     memory_limits,
     non_negative_int,
-    parse_int_list,
     positive_int,
     probability,
     temperature,
 )
-from caote.defaults import (
-    CALIBRATION_BUDGETS,
-    CALIBRATION_MASS_WEIGHT,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_BUDGET,
-    DEFAULT_CALIBRATION_DOMAIN,
-    DEFAULT_POLICY,
-    DEFAULT_SEED,
-    FEATURE_GROUPS,
-)
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY, DEFAULT_SEED
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DTYPES = ("float32", "bfloat16", "float16")
+GENERATE_HELP = "answer a prompt with a bounded KV cache, streaming tokens to stdout"
+GENERATE_DESCRIPTION = (
+    "Answer a prompt while every layer keeps at most --budget KV tokens. The prompt comes from the PROMPT argument, "
+    "from --prompt-file, or from stdin with '-'. The answer streams to stdout as it is decoded. Decoding is greedy "
+    "unless --temperature > 0 or --top-p is given."
+)
+POLICIES_HELP = "list the eviction policies"
+POLICIES_DESCRIPTION = "List every eviction policy accepted by --policy, with a one-line description and reference."
 
 
 def add_parser(subparsers) -> None:
-    """Register ``generate``, ``policies`` and ``calibrate`` on the ``caote`` subcommand parser."""
-    generate = subparsers.add_parser(
-        "generate",
-        help="answer a prompt with a bounded KV cache, streaming tokens to stdout",
-        description=(
-            "Answer a prompt while every layer keeps at most --budget KV tokens. The prompt comes from the PROMPT "
-            "argument, from --prompt-file, or from stdin with '-'. The answer streams to stdout as it is decoded. "
-            "Decoding is greedy unless --temperature > 0 or --top-p is given."
-        ),
-    )
-    generate.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
-    generate.add_argument("--prompt-file", type=Path, metavar="PATH", help="read the prompt from this file")
-    generate.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)",
-    )
-    generate.add_argument(
-        "--budget", type=positive_int, default=DEFAULT_BUDGET, help="KV tokens kept per layer (default: %(default)s)"
-    )
-    generate.add_argument(
-        "--policy", default=DEFAULT_POLICY, help="eviction policy, see 'caote policies' (default: %(default)s)"
-    )
-    generate.add_argument(
-        "--max-new-tokens",
-        type=positive_int,
-        default=DEFAULT_MAX_NEW_TOKENS,
-        help="most tokens to generate (default: %(default)s)",
-    )
-    generate.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="prompt tokens per prefill block (default: %(default)s)",
-    )
-    generate.add_argument(
-        "--temperature",
-        type=temperature,
-        metavar="T",
-        help="sample with this temperature; > 0 turns sampling on, 0 is greedy (default: greedy decoding)",
-    )
-    generate.add_argument(
-        "--top-p",
-        type=probability,
-        metavar="P",
-        help="nucleus sampling: draw from the likeliest tokens whose probabilities add up to P; turns sampling on",
-    )
-    generate.add_argument(
-        "--seed",
-        type=non_negative_int,
-        default=DEFAULT_SEED,
-        help="seed of the sampling and of the 'random' policy (default: %(default)s)",
-    )
-    generate.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="wrap the prompt in the model's chat template as a user message (default: on)",
-    )
-    generate.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="float32",
-        help="weights and KV cache dtype; scores are computed in float32 whatever it is (default: %(default)s)",
-    )
-    generate.add_argument(
-        "--device-map",
-        metavar="MAP",
-        help="accelerate device map, e.g. 'auto' (with --max-memory, layers that do not fit go to CPU or disk)",
-    )
-    generate.add_argument(
-        "--max-memory",
-        type=memory_limits,
-        metavar="DEV=SIZE,...",
-        help="with --device-map: most memory per device, e.g. 'cpu=200MiB' or '0=6GiB,cpu=16GiB'; the rest of the "
-        "model is offloaded to disk (a temporary folder)",
-    )
-    generate.add_argument(
-        "--predictor",
-        type=Path,
-        metavar="FILE",
-        help="for the learned policies: a predictor file written by 'caote calibrate' (default: the one committed for "
-        "the model; the bundled model has one)",
-    )
-    generate.add_argument(
-        "--compile-decode",
-        action="store_true",
-        help="compute the decode steps' CAOTE errors in one torch.compile kernel: faster, equal to the exact default "
-        "up to float32 rounding; the first steps compile (needs a C++ compiler on a CPU)",
-    )
-    generate.add_argument("--stats", action="store_true", help="print tokens seen / kept and KV bytes saved to stderr")
-    generate.add_argument(
-        "--output",
-        type=Path,
-        metavar="PATH",
-        help="also write the answer to PATH (atomically; nothing is written on failure)",
-    )
-    generate.set_defaults(func=run_generate)
-
-    policies = subparsers.add_parser(
-        "policies",
-        help="list the eviction policies",
-        description="List every eviction policy accepted by --policy, with a one-line description and reference.",
-    )
-    policies.set_defaults(func=run_policies)
-
-    calibrate = subparsers.add_parser(
-        "calibrate",
-        help="fit the learned policy's importance predictor for a model to the hindsight oracle",
-        description=(
-            "Fit the 'learned' policy's predictor of each token's future attention for one model: full-cache passes "
-            "over calibration texts record what later queries attend to, evicting passes record what the policy "
-            "will see, and a ridge regression per layer and KV head links the two. Texts: the dev split of the "
-            "essays or of the Python code (never a text the evaluation grids read), or the .txt files of a folder."
-        ),
-    )
-    calibrate.add_argument("--model", default="smollm2-135m", help="the model (default: %(default)s)")
-    source = calibrate.add_mutually_exclusive_group()
-    source.add_argument(
-        "--domain",
-        choices=("essays", "code"),
-        default=DEFAULT_CALIBRATION_DOMAIN,
-        help="read the dev split of these texts (default: %(default)s)",
-    )
-    source.add_argument("--texts", type=Path, metavar="FOLDER", help="read the .txt files of FOLDER instead")
-    calibrate.add_argument("--out", type=Path, required=True, metavar="FILE", help="where to write the predictor")
-    calibrate.add_argument(
-        "--length", type=positive_int, default=1024, help="tokens per calibration excerpt (default: %(default)s)"
-    )
-    calibrate.add_argument("--count", type=positive_int, help="use only the first COUNT excerpts (default: all)")
-    calibrate.add_argument(
-        "--budgets",
-        default=",".join(map(str, CALIBRATION_BUDGETS)),
-        help="budgets of the evicting passes, comma-separated (default: %(default)s)",
-    )
-    calibrate.add_argument(
-        "--features",
-        default="scalars,key",
-        help="feature groups: scalars, key, value, comma-separated (default: %(default)s)",
-    )
-    calibrate.add_argument(
-        "--rollout-predictor",
-        type=Path,
-        metavar="FILE",
-        help="evict the calibration passes by learned+caote with this predictor (an earlier round's, of the same "
-        "model and features) instead of H2O's mass: a second, on-policy round",
-    )
-    calibrate.add_argument(
-        "--mass-weight",
-        type=float,
-        default=CALIBRATION_MASS_WEIGHT,
-        metavar="POWER",
-        help="weigh each token's row by its future attention relative to its eviction's mean, to this power, so the "
-        "fit is decided by the tokens whose eviction would be felt (0: every row alike; default: %(default)s)",
-    )
-    calibrate.set_defaults(func=run_calibrate)
+    """Register ``generate`` and ``policies`` on the ``caote`` subcommand parser."""
+    add_subcommand(subparsers, "generate", run_generate, GENERATE_HELP, GENERATE_DESCRIPTION, add_generate_arguments)
+    add_subcommand(subparsers, "policies", run_policies, POLICIES_HELP, POLICIES_DESCRIPTION)
 
 
 # -- caote policies -----------------------------------------------------------------------------------------------
@@ -218,6 +64,117 @@ def run_policies(args: argparse.Namespace) -> int:
 
 
 # -- caote generate -----------------------------------------------------------------------------------------------
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """``caote generate``'s options, in --help order."""
+    _add_prompt_and_model_arguments(parser)
+    _add_decoding_arguments(parser)
+    _add_runtime_arguments(parser)
+    _add_output_arguments(parser)
+
+
+def _add_prompt_and_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to answer, and with which model."""
+    parser.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text, or '-' to read it from stdin")
+    parser.add_argument("--prompt-file", type=Path, metavar="PATH", help="read the prompt from this file")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="'smollm2-135m' (bundled, offline), a local path or a hub id (default: %(default)s)",
+    )
+
+
+def _add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the answer is decoded: the cache's budget and policy, the length, sampling, the chat template."""
+    parser.add_argument(
+        "--budget", type=positive_int, default=DEFAULT_BUDGET, help="KV tokens kept per layer (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--policy", default=DEFAULT_POLICY, help="eviction policy, see 'caote policies' (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="most tokens to generate (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="prompt tokens per prefill block (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=temperature,
+        metavar="T",
+        help="sample with this temperature; > 0 turns sampling on, 0 is greedy (default: greedy decoding)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=probability,
+        metavar="P",
+        help="nucleus sampling: draw from the likeliest tokens whose probabilities add up to P; turns sampling on",
+    )
+    parser.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=DEFAULT_SEED,
+        help="seed of the sampling and of the 'random' policy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template as a user message (default: on)",
+    )
+
+
+def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the model and the policy's scoring run: dtype, device placement, the learned predictor, compiled decode."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="weights and KV cache dtype; scores are computed in float32 whatever it is (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device-map",
+        metavar="MAP",
+        help="accelerate device map, e.g. 'auto' (with --max-memory, layers that do not fit go to CPU or disk)",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=memory_limits,
+        metavar="DEV=SIZE,...",
+        help="with --device-map: most memory per device, e.g. 'cpu=200MiB' or '0=6GiB,cpu=16GiB'; the rest of the "
+        "model is offloaded to disk (a temporary folder)",
+    )
+    parser.add_argument(
+        "--predictor",
+        type=Path,
+        metavar="FILE",
+        help="for the learned policies: a predictor file written by 'caote calibrate' (default: the one committed for "
+        "the model; the bundled model has one)",
+    )
+    parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="compute the decode steps' CAOTE errors in one torch.compile kernel: faster, equal to the exact default "
+        "up to float32 rounding; the first steps compile (needs a C++ compiler on a CPU)",
+    )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is reported besides the streamed answer."""
+    parser.add_argument("--stats", action="store_true", help="print tokens seen / kept and KV bytes saved to stderr")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        metavar="PATH",
+        help="also write the answer to PATH (atomically; nothing is written on failure)",
+    )
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None, stdin=None) -> str:
@@ -325,84 +282,6 @@ def check_settings(args: argparse.Namespace):
             "pick another, see 'caote policies'"
         )
     return settings
-
-
-def feature_groups(text: str) -> list[str]:
-    """``"scalars,key"`` -> the feature groups, each one of `FEATURE_GROUPS`."""
-    groups = [item.strip() for item in text.split(",") if item.strip()]
-    if not groups or any(group not in FEATURE_GROUPS for group in groups):
-        raise UsageError(f"--features takes {', '.join(FEATURE_GROUPS)}, got {text!r}")
-    return groups
-
-
-def run_calibrate(args: argparse.Namespace) -> int:
-    """Fit and save a predictor (`caote.evaluation.calibration.calibrate`), printing what it cost."""
-    try:
-        budgets = parse_int_list(args.budgets, minimum=1)
-    except ValueError:
-        raise UsageError(f"--budgets must be comma-separated values, got {args.budgets!r}") from None
-    groups = feature_groups(args.features)
-    if args.texts is not None and not args.texts.is_dir():
-        raise UsageError(f"--texts '{args.texts}' is not a folder")
-    if args.out.is_dir():
-        raise UsageError(f"--out '{args.out}' is a directory; give a file path")
-    if args.rollout_predictor is not None and not args.rollout_predictor.is_file():
-        raise UsageError(f"--rollout-predictor '{args.rollout_predictor}' is not a file (write one with calibrate)")
-    check_model(args.model)
-    # start-up: calibration imports torch and transformers, which argument errors do not need
-    from caote.evaluation.calibration import (
-        calibrate,
-        calibration_texts,
-        check_mass_weight,
-        folder_texts,
-        rollout_settings,
-    )
-    from caote.learned import Predictor
-    from caote.models import load_model
-
-    try:
-        for budget in budgets:  # refused before the model loads
-            rollout_settings(budget)
-    except ValueError as error:
-        raise UsageError(f"--budgets: {error}") from None
-    try:
-        check_mass_weight(args.mass_weight, "--mass-weight")
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    rollout = None
-    if args.rollout_predictor is not None:  # its file and features checked before the model loads too
-        try:
-            rollout = Predictor.load(args.rollout_predictor)
-        except ValueError as error:
-            raise UsageError(f"--rollout-predictor: {error}") from None
-        if set(rollout.groups) != set(groups):
-            raise UsageError(
-                f"--rollout-predictor has features {','.join(rollout.groups)}, not --features {','.join(groups)}"
-            )
-    hide_loading_bars()
-    model, tokenizer = load_model(args.model)
-    if args.texts is not None:
-        texts = folder_texts(tokenizer, args.texts, args.length, args.count)
-    else:
-        texts = calibration_texts(tokenizer, args.domain, args.length, args.count)
-    predictor = calibrate(
-        model,
-        tokenizer,
-        texts,
-        tuple(budgets),
-        tuple(groups),
-        model_name=args.model,
-        rollout=rollout,
-        mass_weight=args.mass_weight,
-    )
-    path = predictor.save(args.out)
-    details = predictor.details
-    print(
-        f"caote calibrate: {len(texts)} texts x {len(budgets)} budgets, {details['rows']:,} rows, "
-        f"{details['seconds']:.0f} s; held-out error {details['held_out_mse']:.3g} of variance "
-        f"{details['held_out_variance']:.3g}; wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"
-    )
-    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -9,10 +9,13 @@ from __future__ import annotations
 DEFAULT_BUDGET = 512  # KV tokens kept per full-attention layer (and per KV head)
 DEFAULT_BLOCK_SIZE = 128  # prompt tokens per prefill block
 DEFAULT_SINK_TOKENS = 4  # first tokens every policy keeps (attention sinks)
-DEFAULT_GQA = "rss"  # how the CAOTE errors of a KV group's query heads combine (caote.scoring.GQA_AGGREGATIONS)
+DEFAULT_GQA = "rss"  # how the CAOTE errors of a KV group's query heads combine (caote.value_aware.GQA_AGGREGATIONS)
 DEFAULT_DECODE_EVICTION_INTERVAL = 1  # tokens evicted per scoring while decoding (the paper's: one per step)
 DEFAULT_SEED = 0  # seed of the `random` policy
 PAPER_BASES = ("h2o", "tova", "snapkv")  # the base policies of the CAOTE paper, each also with +caote / +fastcaote
+# the policies the CAOTE paper evaluates (arXiv 2504.14051, Tables 1-4), in report order: listed here once, for the
+# policy group "paper" (`caote.policies.POLICY_GROUPS`) and `caote bench`'s default policies (which need no torch)
+PAPER_GROUP = ("full", "streamingllm") + tuple(f"{b}{t}" for b in PAPER_BASES for t in ("", "+caote", "+fastcaote"))
 # the policy of EvictionCache, caote.generate, the pipeline and `caote generate` unless one is named: set by the
 # standard grid of docs/results.md (see the README's "Which policy" paragraph)
 DEFAULT_POLICY = "h2o+caote"

@@ -6,7 +6,7 @@ token ``j < t`` receives from every later query ``i >= t``, summed over the quer
 
     F_t[h, j] = sum_{i >= t} sum_{q in group(h)} A_q[i, j]
 
-The ``oracle`` policy (`caote.policies`) keeps the tokens with the largest ``F_t``: a ceiling that says how much any
+The ``oracle`` policy (`caote.bases`) keeps the tokens with the largest ``F_t``: a ceiling that says how much any
 causal policy could still gain at a budget. Only these column sums are stored (layers x boundaries x KV heads x
 tokens), never attention matrices.
 """

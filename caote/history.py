@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from caote.scoring import accumulate_attention, keep_recent_rows
+from caote.base_scores import accumulate_attention, keep_recent_rows
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from caote.history import KEY_TERM, KEY_TERM_POSITION, PREDICTION, PREDICTION_POSITION, RECENT_START
-from caote.scoring import aggregate_groups, caote_errors, group_query_heads, normalise_weights
+from caote.value_aware import aggregate_groups, caote_errors, group_query_heads, group_size, normalise_weights
 
 FEATURE_SET = "caote-learned-1"  # bump when the features below change: a predictor of another set is refused
 RECENT_ROWS = 16  # the newest query rows the features read
@@ -359,7 +359,7 @@ def linear_map(features: torch.Tensor, weights: torch.Tensor, feature_major: boo
 def marked(history: torch.Tensor, row: int, positions: torch.Tensor) -> torch.Tensor:
     """``(B, H_kv, N)`` bool: the tokens for which ``row`` of the history (a remembered key term's or prediction's
     position plus one, equal over a KV head's query heads) was written."""
-    group = history.shape[1] // positions.shape[1]
+    group = group_size(history.shape[1], positions.shape[1])
     return history[:, ::group, row] == positions + 1
 
 
@@ -388,7 +388,7 @@ class LayerPredictor:
         if "key" not in self.groups:
             return
         history, positions = layer.history, layer.positions
-        group = history.shape[1] // positions.shape[1]
+        group = group_size(history.shape[1], positions.shape[1])
         missing = ~marked(history, KEY_TERM_POSITION, positions) & (positions >= 0)
         least, most = torch.stack(torch.aminmax(missing.sum(-1))).tolist()  # one read back
         if most == 0:
@@ -413,7 +413,7 @@ class LayerPredictor:
         prediction rows), or at a decode step whose tokens are not yet due (`PREDICTION_REFRESH`), each token's
         last prediction, ``-inf`` for the tokens not yet predicted (all of them protected)."""
         history = inputs.history
-        group = history.shape[1] // inputs.positions.shape[1]
+        group = group_size(history.shape[1], inputs.positions.shape[1])
         if inputs.new_tokens == 1 and PREDICTION_REFRESH > 1 and inputs.kept is not None:
             predicted = marked(history, PREDICTION_POSITION, inputs.positions)
             waiting = ~predicted & (inputs.positions >= 0)
@@ -431,7 +431,7 @@ class LayerPredictor:
         from the history)."""
         if "key" not in self.groups:
             return linear_map(self.features(inputs), self.weights)
-        group = inputs.history.shape[1] // inputs.positions.shape[1]
+        group = group_size(inputs.history.shape[1], inputs.positions.shape[1])
         remembered = inputs.history[:, ::group, KEY_TERM].float()
         known = marked(inputs.history, KEY_TERM_POSITION, inputs.positions)
         if not bool((known | (inputs.positions < 0)).all()):

@@ -21,7 +21,7 @@ from caote.defaults import (
     DEFAULT_SINK_TOKENS,
 )
 from caote.policies import Policy, parse_policy
-from caote.scoring import GQA_AGGREGATIONS
+from caote.value_aware import GQA_AGGREGATIONS
 
 SEED_LIMIT = 2**63 - 1  # the largest seed torch.Generator.manual_seed takes
 

@@ -22,9 +22,11 @@ from torch import nn
 from caote.attention import attention_probabilities
 from caote.future import FutureAttention
 from caote.history import KEY_TERM_POSITION, PREDICTION_POSITION
-from caote.layer import EvictionLayer, evict_together
+from caote.layer import EvictionLayer
 from caote.learned import Predictor, rotary_inverse
 from caote.lookahead import draft
+from caote.recording import record
+from caote.stacking import evict_together
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class CacheContext:
 class Immediate:
     """Evict a layer as soon as its attention has run and it holds more than the budget; decode steps write in
     place (`caote.layer.EvictionLayer`), and the layers of a decode step in place are evicted together when the
-    forward ends (`caote.layer.evict_together`: nothing reads a layer's cache between its attention and the next
+    forward ends (`caote.stacking.evict_together`: nothing reads a layer's cache between its attention and the next
     step, so waiting changes nothing but the number of operators)."""
 
     decodes_in_place = True
@@ -66,7 +68,7 @@ class Immediate:
         """Record the rows the base reads (``rows``: the call's own, when caote computed its attention), then evict
         if the layer overflows: to ``budget`` after a prompt block, ``budget - interval + 1`` after a decode step
         (a decode step in place: at the end of the forward, with the step's other layers)."""
-        layer.record(module, queries, mask, kwargs, real, rows, output)
+        record(layer, module, queries, mask, kwargs, real, rows, output)
         if layer.retained > self.settings.budget:
             if self.evicts_together and layer.in_place and layer.new_tokens == 1:
                 self._waiting[index] = layer
@@ -147,7 +149,7 @@ class LookAhead(Immediate):
         if self._drafting:
             self._record_draft(index, layer, module, queries, mask, kwargs, real)
         elif layer.new_tokens > 1:
-            layer.record(module, queries, mask, kwargs, real)
+            record(layer, module, queries, mask, kwargs, real)
             if layer.retained > self.settings.budget:
                 self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's rows are seen
         else:
@@ -225,7 +227,7 @@ class Learned(Immediate):
     def stack_inputs(self, layers: dict, stack: EvictionLayer) -> dict:
         """One predictor whose rows are the layers' (`caote.learned.Predictor.stacked`), having remembered the key
         terms of the stack's new tokens: one pass for every layer of a decode step (the stack's history and keys
-        are the layers' own storage, `caote.layer.HELD_BY_STACK`, so the terms land in the layers)."""
+        are the layers' own storage, `caote.stacking`, so the terms land in the layers)."""
         batch = next(iter(layers.values())).positions.shape[0]
         predictor = self.predictor.stacked(list(layers), batch, self.unrotate, self.settings.sink_tokens)
         predictor.remember_keys(stack)

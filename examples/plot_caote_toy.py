@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from caote.scoring import caote_score  # noqa: E402
+from caote.value_aware import caote_score  # noqa: E402
 
 WEIGHTS = torch.tensor([0.30, 0.05, 0.10, 0.32, 0.08, 0.15])
 VALUES = torch.tensor([[0.2, 0.3], [1.4, -0.2], [-0.6, 0.9], [-0.05, 0.16], [0.9, 1.1], [-1.3, -0.9]])
@@ -23,7 +23,7 @@ TARGET = Path(__file__).resolve().parents[1] / "docs" / "caote-toy.png"
 
 
 def main() -> Path:
-    """Compute the toy scores with `caote.scoring.caote_score` and save the two-panel figure."""
+    """Compute the toy scores with `caote.value_aware.caote_score` and save the two-panel figure."""
     output = WEIGHTS @ VALUES
     scores = caote_score(WEIGHTS, VALUES)
     tokens = [f"t{j}" for j in range(len(WEIGHTS))]

@@ -161,3 +161,38 @@ def test_one_usage_error_class():
         if isinstance(node, ast.ClassDef) and node.name == "UsageError"
     ]
     assert len(defined) == 1, f"UsageError is defined {len(defined)} times: {defined}"
+
+
+# -- the recipes of docs/architecture.md, tried as written -----------------------------------------------------------
+
+RECIPES = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def test_the_add_a_policy_recipe_runs_as_written(monkeypatch):
+    """The worked example of docs/architecture.md's "Add a policy": its score function and its registry entry, taken
+    from the doc's code block, give a policy that parses (with +caote), is listed and evicts in stock generate."""
+    import re
+    import types
+
+    import torch
+
+    from caote import base_scores, bases, policies
+    from caote.cache import EvictionCache
+    from caote.testing import tiny_model
+
+    recipe = RECIPES.read_text(encoding="utf-8").split("**Add a policy**", 1)[1].split("**Add a model family**", 1)[0]
+    code = re.search(r"```python\n(.*?)```", recipe, re.S).group(1)
+    function, _, entry = code.partition("# caote/bases.py")
+    scores = types.SimpleNamespace(**vars(base_scores))
+    exec(function, {"torch": torch}, vars(scores))  # step 1: the score function, as if in caote/base_scores.py
+    entry = entry.split("\n", 1)[1]
+    base = eval(entry, {**vars(bases), "base_scores": scores})  # step 2: the entry, in caote/bases.py's names
+    monkeypatch.setitem(bases.BASE_SCORES, base.name, base)  # its place in register(...)
+    assert {base.name, f"{base.name}+caote", f"{base.name}+fastcaote"} <= set(policies.policy_names())
+    policy = policies.parse_policy(f"{base.name}+caote")
+    assert policy.base is base and policy.value_aware
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(0))
+    with EvictionCache(model, budget=24, policy=policy.name, block_size=16) as cache, torch.no_grad():
+        model.generate(ids, cache=cache, prefill_chunk_size=16, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert cache.stats().tokens_kept == 24 and cache.stats().tokens_evicted == 80 + 5 - 24

@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model
 
+from caote.bases import LOOKAHEAD_TOKENS
 from caote.cache import EvictionCache
 from caote.evaluation.lockstep import lockstep
 from caote.layer import EvictionLayer
-from caote.policies import LOOKAHEAD_TOKENS
-from caote.scoring import caote_score, multi_row_caote_score
+from caote.value_aware import caote_score, multi_row_caote_score
 
 
 def brute_force(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -379,7 +379,7 @@ def test_sampling_is_seeded_and_greedy_stays_the_default(capsys, tiny_loaded_mod
 
 @needs_compiler
 def test_compile_decode_compiles_the_decode_steps_errors_and_answers_as_the_eager_default(capsys, tiny_loaded_model):
-    from caote import scoring
+    from caote import value_aware
 
     def answer(*options: str) -> str:
         prompt = "hello there " * 40
@@ -388,9 +388,9 @@ def test_compile_decode_compiles_the_decode_steps_errors_and_answers_as_the_eage
         assert code == 0, err
         return out
 
-    scoring.compiled.cache_clear()
+    value_aware.compiled.cache_clear()
     assert answer("--compile-decode") == answer()
-    assert scoring.compiled.cache_info().currsize == 1  # the CAOTE kernel, made once
+    assert value_aware.compiled.cache_info().currsize == 1  # the CAOTE kernel, made once
 
 
 def test_generate_help_explains_sampling(capsys):

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import greedy, random_ids, tiny_model
 
+import caote.bases
 import caote.layer
-import caote.policies
 from caote import EvictionCache, policy_names
 from caote.history import RecentRows
 from caote.policies import parse_policy
@@ -135,7 +135,7 @@ def test_tova_layer_averages_the_newest_query_over_all_heads_and_evicts_the_same
     generator = torch.Generator().manual_seed(0)
     rows = torch.softmax(torch.randn(1, 4, 1, 10, generator=generator), -1)
     keys = torch.zeros(1, 2, 10, 8)
-    inputs = caote.policies.ScoreInputs(
+    inputs = caote.bases.ScoreInputs(
         keys=keys,
         values=keys,
         positions=torch.arange(10).expand(1, 2, 10),

@@ -34,17 +34,15 @@ from caote.evaluation.metrics import score_example
 from caote.evaluation.niah import NEEDLES, insert_at_depth, niah_example, niah_examples
 from caote.evaluation.ruler import (
     RULER_TASKS,
-    assignment_chains,
     common_words,
     default_common_freq,
     niah_multikey,
     niah_multivalue,
     niah_single,
-    numbered,
     ruler_examples,
     variable_tracking,
-    word_list,
 )
+from caote.evaluation.ruler_content import assignment_chains, numbered, word_list
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 needs_essays = pytest.mark.skipif(

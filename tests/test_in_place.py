@@ -10,8 +10,10 @@ import torch
 from conftest import needs_compiler, prompt_then_step, random_ids, tiny_model
 
 from caote.cache import EvictionCache
-from caote.layer import FREE, EvictionLayer, evict_together
+from caote.layer import EvictionLayer
 from caote.policies import Policy, policy_names
+from caote.slots import FREE, SlotBuffer
+from caote.stacking import evict_together, stack
 from caote.strategies import Immediate
 
 BUDGET, BLOCK = 40, 16
@@ -37,7 +39,7 @@ def decode(model, cache, ids, steps, attention_mask=None):
 
 def arrival_order(cache: EvictionCache) -> EvictionCache:
     """``cache`` with in-place decoding turned off: today's cat-and-gather path, the reference."""
-    cache._decodes_in_place = False
+    cache._slots_allowed = False
     cache._set_in_place(False)
     return cache
 
@@ -87,7 +89,7 @@ def test_fifty_decode_steps_allocate_no_new_keys_values_or_positions():
         out = prompt_then_step(model, cache, ids, BLOCK)
 
         def held(layer):
-            return layer.keys, layer.values, layer.positions, layer.value_norms, layer._normed
+            return layer.keys, layer.values, layer.positions, layer.slots.value_norms, layer.slots.normed
 
         pointers = [[tensor.data_ptr() for tensor in held(layer)] for layer in cache.layers]
         shapes = [[tensor.shape for tensor in held(layer)] for layer in cache.layers]
@@ -116,25 +118,25 @@ def test_a_snapshot_taken_while_decoding_in_place_is_not_overwritten():
 
 @pytest.mark.parametrize("policy", ["h2o+caote", "snapkv+fastcaote", "streamingllm"])
 def test_each_slot_s_value_norm_is_taken_once_for_its_token_and_is_its_value_s_norm(policy, monkeypatch):
-    """The bounds of `scoring.lowest_errors` read each slot's value norm from the layer: at a decode step only the
+    """The bounds of `bounds.lowest_errors` read each slot's value norm from the layer: at a decode step only the
     newly written slots' norms are taken (one per layer, batch row and KV head), every real slot's equals the norm
     of the value it holds, a snapshot keeps its own, and a policy without a value-aware transform keeps none."""
     model = tiny_model("llama")
     ids = random_ids(3 * BLOCK, batch=2, seed=9)
     taken = []
-    norms = EvictionLayer.held_value_norms
+    norms = SlotBuffer.norms
 
-    def counted(layer):
-        if layer.value_norms is not None:
-            taken.append(int((layer._normed != layer.positions).sum()))
-        return norms(layer)
+    def counted(slots, values, positions):
+        if slots.value_norms is not None:
+            taken.append(int((slots.normed != positions).sum()))
+        return norms(slots, values, positions)
 
-    monkeypatch.setattr(EvictionLayer, "held_value_norms", counted)
+    monkeypatch.setattr(SlotBuffer, "norms", counted)
     with EvictionCache(model, budget=BUDGET, policy=policy, block_size=BLOCK) as cache:
         decode(model, cache, ids, 3)
         layers = [layer for layer in cache.layers if isinstance(layer, EvictionLayer)]
         if not cache.settings.policy.value_aware:
-            assert not taken and all(layer.value_norms is None for layer in layers)
+            assert not taken and all(layer.slots.value_norms is None for layer in layers)
             return
         snapshot = cache.snapshot()
         for _ in range(4):
@@ -144,11 +146,11 @@ def test_each_slot_s_value_norm_is_taken_once_for_its_token_and_is_its_value_s_n
             assert sum(taken) == len(layers) * 2 * layers[0].keys.shape[1]
             for layer in layers:
                 real = layer.positions >= 0
-                assert torch.equal(layer._normed[real], layer.positions[real])
+                assert torch.equal(layer.slots.normed[real], layer.positions[real])
                 want = torch.linalg.vector_norm(layer.values.float(), dim=-1)
-                torch.testing.assert_close(layer.value_norms[real], want[real], rtol=1e-6, atol=0)
+                torch.testing.assert_close(layer.slots.value_norms[real], want[real], rtol=1e-6, atol=0)
         for mine, live in zip(snapshot.layers, layers):
-            assert mine.value_norms.data_ptr() != live.value_norms.data_ptr()
+            assert mine.slots.value_norms.data_ptr() != live.slots.value_norms.data_ptr()
 
 
 def decode_steps(model, cache, steps, token=5) -> list[int]:
@@ -203,12 +205,12 @@ def test_free_slots_are_masked_and_the_peak_stays_within_the_prefill_bound():
     with cache:
         decode(model, cache, random_ids(3 * BLOCK, seed=11), 2)
         layer = cache.layers[0]
-        assert layer.in_place and (layer.positions == FREE).sum() == layer.free.numel() > 0
+        assert layer.in_place and (layer.positions == FREE).sum() == layer.slots.free.numel() > 0
         queries = torch.zeros(1, model.config.num_attention_heads, 1, 16)
-        mask = layer.slot_mask(None, queries, additive=False)  # (B, H_q, 1, S): False exactly on the free slots
+        mask = layer.attention_mask(None, queries, additive=False)  # (B, H_q, 1, S): False exactly on the free slots
         group = model.config.num_attention_heads // model.config.num_key_value_heads
         assert torch.equal(~mask[:, :, 0], (layer.positions == FREE).repeat_interleave(group, dim=1))
-        additive = layer.slot_mask(None, queries, additive=True)
+        additive = layer.attention_mask(None, queries, additive=True)
         assert (additive[~mask] == torch.finfo(queries.dtype).min).all() and (additive[mask] == 0).all()
         stats = cache.stats()
         per_token = 2 * layer.keys.shape[1] * layer.keys.shape[-1] * layer.keys.element_size()  # keys and values
@@ -224,7 +226,7 @@ def test_streamingllm_frees_the_oldest_slots_after_the_sinks_without_scoring(mon
     settings = dict(budget=BUDGET, policy="streamingllm", block_size=BLOCK, decode_eviction_interval=interval)
     with arrival_order(EvictionCache(model, **settings)) as reference:
         want = decode(model, reference, ids, 9)
-    monkeypatch.setattr(EvictionLayer, "_score_inputs", lambda *args: pytest.fail("streamingllm scored"))
+    monkeypatch.setattr(EvictionLayer, "score_inputs", lambda *args: pytest.fail("streamingllm scored"))
     with EvictionCache(model, **settings) as slots:
         got = decode(model, slots, ids, 9)
         assert all(layer.in_place for layer in slots.layers)
@@ -274,7 +276,7 @@ def test_restoring_into_a_frozen_cache_or_after_a_failed_forward_returns_to_arri
         with pytest.raises(RuntimeError, match="interrupted"):
             decode_steps(model, cache, 1)
         del cache.after_attention
-        assert cache.layers[0].free.shape[-1] == 0  # its one free slot took the token
+        assert cache.layers[0].slots.free.shape[-1] == 0  # its one free slot took the token
         decode_steps(model, cache, 2)
         assert all(layer.retained == BUDGET for layer in cache.layers)
         assert all(int((layer.kept_positions() >= 0).sum()) == 2 * BUDGET for layer in cache.layers)
@@ -353,6 +355,9 @@ def test_a_decode_step_scores_its_layers_together_as_they_would_be_one_at_a_time
         want = decode(model, alone, ids, 9, attention_mask=mask)
     assert torch.equal(got, want)  # the same tokens kept, so the same arithmetic to the bit
     assert all(torch.equal(a, b) for a, b in zip(kept(together), kept(alone)))
+    if padded and interval > 1:  # rows out of phase: the layers decode in arrival order, each evicted alone
+        assert not any(layer.in_place for layer in together.layers) and calls["scores"] == scored_together
+        return
     evicting_steps = 9 if interval == 1 else 3
     scored = padded or policy != "streamingllm"  # without padding, streamingllm frees its oldest slots unscored
     assert calls["scores"] - scored_together == evicting_steps * (len(together.layers) - 1) * scored
@@ -387,23 +392,23 @@ def test_layers_of_unequal_shapes_are_scored_in_separate_stacks(monkeypatch):
     evict_together(dict(enumerate(reference[len(one) :])), BUDGET, lambda: None)
     for layer, alone in zip(one + two, reference):
         assert layer.retained == BUDGET and torch.equal(layer.positions, alone.positions)
-        assert torch.equal(layer.free, alone.free) and torch.equal(layer.history, alone.history)
+        assert torch.equal(layer.slots.free, alone.slots.free) and torch.equal(layer.history, alone.history)
 
 
 def test_a_stack_holds_at_most_stack_bytes_of_values(monkeypatch):
-    import caote.layer
+    import caote.stacking
 
     model = tiny_model("llama")
     layers = waiting_layers(model, random_ids(3 * BLOCK, seed=24), monkeypatch)
     reference = [layer.detached_copy() for layer in layers]
     stacks = []
-    monkeypatch.setattr(caote.layer, "STACK_BYTES", 4 * layers[0].values.numel())  # one layer's float32 values
+    monkeypatch.setattr(caote.stacking, "STACK_BYTES", 4 * layers[0].values.numel())  # one layer's float32 values
     evict_together(dict(enumerate(layers)), BUDGET, lambda: None, lambda each, stack: stacks.append(list(each)) or {})
     assert stacks == [[index] for index in range(len(layers))]
     evict_together(dict(enumerate(reference)), BUDGET, lambda: None)  # every layer in one stack
     for layer, together in zip(layers, reference):
         assert layer.retained == together.retained == BUDGET
-        assert torch.equal(layer.positions, together.positions) and torch.equal(layer.free, together.free)
+        assert torch.equal(layer.positions, together.positions) and torch.equal(layer.slots.free, together.slots.free)
 
 
 def test_a_forward_that_raises_after_every_attention_evicts_nothing_and_decoding_recovers():
@@ -416,7 +421,7 @@ def test_a_forward_that_raises_after_every_attention_evicts_nothing_and_decoding
         with pytest.raises(RuntimeError, match="interrupted"):
             decode_steps(model, cache, 1)
         handle.remove()
-        assert all(layer.retained == BUDGET + 1 and layer.free.shape[-1] == 0 for layer in cache.layers)
+        assert all(layer.retained == BUDGET + 1 and layer.slots.free.shape[-1] == 0 for layer in cache.layers)
         decode_steps(model, cache, 2)
         assert all(layer.retained == BUDGET for layer in cache.layers)
 
@@ -430,12 +435,13 @@ def test_after_the_first_step_a_stack_is_a_view_of_its_layers_storage_not_a_copy
         out = prompt_then_step(model, cache, ids, BLOCK)
         out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
         layers = list(cache.layers)
-        stack = EvictionLayer.stacked(layers)
-        for name in ("values", "positions", "history", "_sinks", "value_norms", "_normed"):
-            assert getattr(stack, name).data_ptr() == getattr(layers[0], name).data_ptr(), name
+        together = stack(layers)
+        for name in ("values", "positions", "history", "slots.sinks", "slots.value_norms", "slots.normed"):
+            in_stack, in_first = attribute(together, name), attribute(layers[0], name)
+            assert in_stack.data_ptr() == in_first.data_ptr(), name
             for index, layer in enumerate(layers):
-                assert torch.equal(getattr(stack, name)[index : index + 1], getattr(layer, name)), name
-        assert stack.keys is None  # h2o+caote does not read the keys: never stacked, each layer keeps its own
+                assert torch.equal(in_stack[index : index + 1], attribute(layer, name)), name
+        assert together.keys is None  # h2o+caote does not read the keys: never stacked, each layer keeps its own
 
 
 @needs_compiler
@@ -456,29 +462,35 @@ def test_compiled_decode_scoring_keeps_what_the_eager_default_keeps():
     "policy", ["h2o+caote", "tova+caote", "tova+fastcaote", "snapkv+caote", "knorm+caote", "tova+caote/max"]
 )
 def test_decode_steps_scoring_only_their_candidates_keep_what_scoring_every_token_keeps(policy, interval, monkeypatch):
-    """`scoring.lowest_errors` inside real decode steps (its size threshold lowered to run on a tiny model) against
+    """`bounds.lowest_errors` inside real decode steps (its size threshold lowered to run on a tiny model) against
     the direct path: the same slots freed at every step, so the same logits to the bit."""
-    from caote import scoring
+    from caote import bounds
 
     model = tiny_model("llama")
     ids = random_ids(3 * BLOCK + 5, batch=2, seed=8)
     settings = dict(budget=BUDGET, policy=policy, block_size=BLOCK, decode_eviction_interval=interval)
     bounded = {"ran": 0}
-    lowest = scoring.lowest_errors
+    lowest = bounds.lowest_errors
 
     def counted(*args):
         result = lowest(*args)
         bounded["ran"] += result is not None
         return result
 
-    monkeypatch.setattr(scoring, "lowest_errors", counted)
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
-    monkeypatch.setattr(scoring, "MOST_CANDIDATES", 1.0)  # a tiny model's rows: the bounds run at every step
+    monkeypatch.setattr(bounds, "lowest_errors", counted)
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 0)
+    monkeypatch.setattr(bounds, "MOST_CANDIDATES", 1.0)  # a tiny model's rows: the bounds run at every step
     with EvictionCache(model, **settings) as candidates:
         got = decode(model, candidates, ids, 12)
     assert bounded["ran"] >= 12 // interval
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", float("inf"))
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", float("inf"))
     with EvictionCache(model, **settings) as every:
         want = decode(model, every, ids, 12)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(kept(candidates), kept(every)))
+
+
+def attribute(layer: EvictionLayer, name: str) -> torch.Tensor:
+    """``layer``'s tensor ``name``, or its slot buffer's for ``slots.<name>``."""
+    holder, _, field = name.rpartition(".")
+    return getattr(layer.slots if holder else layer, field)

@@ -7,20 +7,23 @@ import pytest
 import torch
 from conftest import needs_compiler
 
-from caote import scoring
-from caote.policies import ScoreInputs, parse_policy
-from caote.scoring import (
+from caote import bounds, value_aware
+from caote.base_scores import (
     accumulate_attention,
+    keep_recent_rows,
+    keydiff_score,
+    knorm_score,
+    random_score,
+    snapkv_score,
+)
+from caote.policies import ScoreInputs, parse_policy
+from caote.value_aware import (
     aggregate_groups,
     caote_score,
     fast_caote_score,
     group_query_heads,
-    keep_recent_rows,
-    keydiff_score,
-    knorm_score,
+    group_size,
     normalise_weights,
-    random_score,
-    snapkv_score,
 )
 
 
@@ -67,8 +70,8 @@ def test_a_policy_normalises_its_base_score_once_and_the_transform_reads_it_as_i
     real = torch.ones(1, 2, 20, dtype=torch.bool)
     real[..., :3] = False
     calls = []
-    normalise = scoring.normalise_weights
-    monkeypatch.setattr(scoring, "normalise_weights", lambda *a, **k: calls.append(1) or normalise(*a, **k))
+    normalise = value_aware.normalise_weights
+    monkeypatch.setattr(value_aware, "normalise_weights", lambda *a, **k: calls.append(1) or normalise(*a, **k))
     inputs = ScoreInputs(
         keys=values, values=values, positions=torch.arange(20).expand(1, 2, 20), real=real if padded else None,
         history=sums,
@@ -87,20 +90,20 @@ def test_an_attention_row_is_read_as_the_distribution_it_is_and_its_output_as_th
     rows = torch.softmax(torch.randn(1, 4, 1, 20, generator=generator) * 2, -1)  # TOVA's newest row
     values = torch.randn(1, 2, 20, 8, generator=generator)
     calls = []
-    normalise = scoring.normalise_weights
-    monkeypatch.setattr(scoring, "normalise_weights", lambda *a, **k: calls.append(1) or normalise(*a, **k))
+    normalise = value_aware.normalise_weights
+    monkeypatch.setattr(value_aware, "normalise_weights", lambda *a, **k: calls.append(1) or normalise(*a, **k))
     inputs = ScoreInputs(keys=None, values=values, positions=torch.arange(20).expand(1, 2, 20), real=None, history=rows)
     got = parse_policy("tova+caote").scores(inputs)
     assert not calls  # a softmax row is not divided by its sum again
     weights = group_query_heads(rows[:, :, -1], 2)
-    torch.testing.assert_close(got, aggregate_groups(scoring.caote_errors(weights, values.unsqueeze(2)), "rss"))
+    torch.testing.assert_close(got, aggregate_groups(value_aware.caote_errors(weights, values.unsqueeze(2)), "rss"))
     # a decode step that attended once hands its output on: the bounded scoring reads it as the weighted output
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 0)
     kept = torch.zeros(1, 2, 20, dtype=torch.bool)
-    output = scoring.weighted_values(weights, values.unsqueeze(2))
+    output = value_aware.weighted_values(weights, values.unsqueeze(2))
     seen = []
-    lowest = scoring.lowest_errors
-    monkeypatch.setattr(scoring, "lowest_errors", lambda *a: seen.append(a[0]) or lowest(*a))
+    lowest = bounds.lowest_errors
+    monkeypatch.setattr(bounds, "lowest_errors", lambda *a: seen.append(a[0]) or lowest(*a))
     told = ScoreInputs(**{**inputs.__dict__, "kept": kept, "output": output.clone()})
     parse_policy("tova+caote").scores(told, lowest=1)
     assert torch.equal(seen[-1], output) and seen[-1] is not output
@@ -314,7 +317,7 @@ def heavy_case(seed: int):
     return weights, torch.randn(2, 2, 1, 12, 5, generator=generator)
 
 
-@pytest.mark.parametrize("errors", [scoring.caote_errors, scoring.fast_caote_errors])
+@pytest.mark.parametrize("errors", [value_aware.caote_errors, value_aware.fast_caote_errors])
 def test_a_kept_heavy_token_skips_the_stable_form_and_leaves_every_other_error_alone(errors):
     weights, values = heavy_case(3)
     stable = errors(weights, values)
@@ -331,7 +334,7 @@ def test_a_kept_heavy_token_skips_the_stable_form_and_leaves_every_other_error_a
 
 
 @needs_compiler
-@pytest.mark.parametrize("errors", [scoring.caote_errors, scoring.fast_caote_errors])
+@pytest.mark.parametrize("errors", [value_aware.caote_errors, value_aware.fast_caote_errors])
 def test_the_fused_compiled_errors_equal_the_eager_ones_up_to_float32_rounding(errors):
     generator = torch.Generator().manual_seed(4)
     weights = torch.softmax(torch.randn(2, 3, 2, 40, generator=generator) * 3, -1)
@@ -346,7 +349,7 @@ def test_the_fused_compiled_errors_equal_the_eager_ones_up_to_float32_rounding(e
 
 
 def bounded_case(seed: int, tokens: int = 300, near: int = 0, heavy: bool = False, ties: bool = False, group: int = 3):
-    """Decode-step inputs of `scoring.lowest_errors`: softmax weights over ``tokens``, values ``(2, 3, 1, N, 16)``
+    """Decode-step inputs of `bounds.lowest_errors`: softmax weights over ``tokens``, values ``(2, 3, 1, N, 16)``
     with an output of ``group`` query heads per KV head; ``near`` values put within 1e-5 of the output (where the
     norms' difference is far below their size), a heavy unkept token, or every value equal to another's (exact
     ties)."""
@@ -359,10 +362,10 @@ def bounded_case(seed: int, tokens: int = 300, near: int = 0, heavy: bool = Fals
     if ties:
         values[..., tokens // 2 :, :] = values[..., : tokens - tokens // 2, :]
         weights[..., tokens // 2 :] = weights[..., : tokens - tokens // 2]
-    output = scoring.weighted_values(weights, values)
+    output = value_aware.weighted_values(weights, values)
     for token in range(10, 10 + near):  # a value at the output: ||x - v|| ~ 1e-5 beside norms of ~20
         values[:, :, 0, token] = output[:, :, token % group] + 1e-5 * torch.randn(2, 3, 16, generator=generator)
-    output = scoring.weighted_values(weights, values)
+    output = value_aware.weighted_values(weights, values)
     kept = torch.zeros(2, 3, 1, tokens, dtype=torch.bool)
     kept[..., :4] = True  # sinks
     kept[..., -1] = True  # the newest
@@ -374,8 +377,8 @@ def victims(scores: torch.Tensor, kept: torch.Tensor, count: int) -> torch.Tenso
     return scores.masked_fill(kept.squeeze(2), math.inf).argsort(dim=-1, stable=True)[..., :count]
 
 
-@pytest.mark.parametrize("output", [scoring.caote_output, scoring.fast_caote_output])
-@pytest.mark.parametrize("how", scoring.GQA_AGGREGATIONS)
+@pytest.mark.parametrize("output", [value_aware.caote_output, value_aware.fast_caote_output])
+@pytest.mark.parametrize("how", value_aware.GQA_AGGREGATIONS)
 @pytest.mark.parametrize(
     "case",
     [{}, {"near": 12}, {"heavy": True}, {"ties": True}, {"near": 6, "heavy": True}, {"group": 5, "ties": True}]
@@ -383,14 +386,14 @@ def victims(scores: torch.Tensor, kept: torch.Tensor, count: int) -> torch.Tenso
 )
 @pytest.mark.parametrize("count", [1, 3])
 def test_bounded_errors_evict_what_the_direct_errors_evict(output, how, case, count, monkeypatch):
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)  # small cases: the bounds would give way to the direct path
-    monkeypatch.setattr(scoring, "MOST_CANDIDATES", 1.0)  # and so might these synthetic rows (10-26 % candidates)
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 0)  # small cases: the bounds would give way to the direct path
+    monkeypatch.setattr(bounds, "MOST_CANDIDATES", 1.0)  # and so might these synthetic rows (10-26 % candidates)
     for seed in range(3):
         weights, values, _, kept = bounded_case(seed, **case)
-        errors = scoring.caote_errors if output is scoring.caote_output else scoring.fast_caote_errors
+        errors = value_aware.caote_errors if output is value_aware.caote_output else value_aware.fast_caote_errors
         direct = aggregate_groups(errors(weights, values, kept=kept), how)
-        weighted = output is scoring.caote_output
-        bounded = scoring.lowest_errors(output(weights, values), weights, values, kept, count, how, weighted)
+        weighted = output is value_aware.caote_output
+        bounded = bounds.lowest_errors(output(weights, values), weights, values, kept, count, how, weighted)
         assert bounded is not None
         unkept = ~kept.squeeze(2)
         assert (bounded[unkept] <= direct[unkept]).all()  # every entry is a lower bound
@@ -400,12 +403,12 @@ def test_bounded_errors_evict_what_the_direct_errors_evict(output, how, case, co
         assert (bounded == direct).sum() < 0.3 * bounded.numel()  # most tokens were never scored directly
 
 
-@pytest.mark.parametrize("how", scoring.GQA_AGGREGATIONS)
+@pytest.mark.parametrize("how", value_aware.GQA_AGGREGATIONS)
 def test_a_heavy_token_whose_value_is_the_others_mean_is_evicted_by_the_bounded_errors_too(how, monkeypatch):
     """A token holding 90 % of every row of a group, its value within 1e-6 of the others' mean: its stable
     error is the group's lowest, so its bound must let it through as a candidate and its exact error be the
     stable form's; elsewhere the heavy tokens' bounds are lower bounds of their stable errors."""
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 0)
     weights, values, _, kept = bounded_case(4)
     heavy = 150
     weights[0, 1] = 0.1 / (weights.shape[-1] - 1)  # the others share a tenth evenly
@@ -414,10 +417,10 @@ def test_a_heavy_token_whose_value_is_the_others_mean_is_evicted_by_the_bounded_
     others[heavy] = 0.0
     mean = (others / others.sum()) @ values[0, 1, 0]
     values[0, 1, 0, heavy] = mean + 1e-6 * torch.randn(16, generator=torch.Generator().manual_seed(3))
-    output = scoring.weighted_values(weights, values)
-    direct = aggregate_groups(scoring.caote_errors(weights, values, kept=kept), how)
+    output = value_aware.weighted_values(weights, values)
+    direct = aggregate_groups(value_aware.caote_errors(weights, values, kept=kept), how)
     assert victims(direct, kept, 1)[0, 1, 0] == heavy
-    bounded = scoring.lowest_errors(output, weights, values, kept, 1, how, True)
+    bounded = bounds.lowest_errors(output, weights, values, kept, 1, how, True)
     unkept = ~kept.squeeze(2)
     assert (bounded[unkept] <= direct[unkept]).all()
     assert torch.equal(victims(bounded, kept, 1), victims(direct, kept, 1))
@@ -425,18 +428,17 @@ def test_a_heavy_token_whose_value_is_the_others_mean_is_evicted_by_the_bounded_
 
 
 def test_bounded_errors_give_way_to_the_direct_ones_where_their_premises_fail(monkeypatch):
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 0)
     weights, values, output, kept = bounded_case(0)
-    assert scoring.lowest_errors(output.double(), weights.double(), values.double(), kept, 1, "rss", True) is None
-    assert scoring.lowest_errors(output, weights, values, torch.ones_like(kept), 1, "rss", True) is None  # all kept
+    assert bounds.lowest_errors(output.double(), weights.double(), values.double(), kept, 1, "rss", True) is None
+    assert bounds.lowest_errors(output, weights, values, torch.ones_like(kept), 1, "rss", True) is None  # all kept
     flat = torch.full_like(weights, 1.0 / weights.shape[-1])  # every token alike: all of them candidates
     same = torch.ones_like(values)
-    assert scoring.lowest_errors(scoring.weighted_values(flat, same), flat, same, kept, 1, "rss", True) is None
+    assert bounds.lowest_errors(value_aware.weighted_values(flat, same), flat, same, kept, 1, "rss", True) is None
     broken = values.clone()
     broken[1, 2, 0, 50, 3] = math.inf  # a non-finite value: its norm bounds nothing
-    assert (
-        scoring.lowest_errors(scoring.weighted_values(weights, broken), weights, broken, kept, 1, "rss", True) is None
-    )
+    broken_output = value_aware.weighted_values(weights, broken)
+    assert bounds.lowest_errors(broken_output, weights, broken, kept, 1, "rss", True) is None
 
 
 def test_bounded_errors_read_the_value_norms_they_are_given():
@@ -444,31 +446,31 @@ def test_bounded_errors_read_the_value_norms_they_are_given():
     entries."""
     weights, values, output, kept = bounded_case(3, near=4)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(scoring, "BOUNDED_FROM", 0)
-        computed = scoring.lowest_errors(output, weights, values, kept, 2, "rss", True)
+        patch.setattr(bounds, "BOUNDED_FROM", 0)
+        computed = bounds.lowest_errors(output, weights, values, kept, 2, "rss", True)
         norms = torch.linalg.vector_norm(values, dim=-1)
-        assert torch.equal(scoring.lowest_errors(output, weights, values, kept, 2, "rss", True, norms), computed)
+        assert torch.equal(bounds.lowest_errors(output, weights, values, kept, 2, "rss", True, norms), computed)
 
 
 def test_the_heavy_token_is_bounded_only_under_float32_products(monkeypatch):
-    """`heavy_lower_bound` assumes the weighted output came from float32 products: under bfloat16 ones (set by
+    """`heavy_token_lower_bound` assumes the weighted output came from float32 products: under bfloat16 ones (set by
     either precision API) the heavy token's own entry bounds nothing, and the same tokens still go."""
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
-    assert scoring.full_float32_products()
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 0)
+    assert bounds.full_float32_products()
     torch.set_float32_matmul_precision("medium")
     try:
-        assert not scoring.full_float32_products()
+        assert not bounds.full_float32_products()
     finally:
         torch.set_float32_matmul_precision("highest")
-    assert scoring.full_float32_products()
+    assert bounds.full_float32_products()
     weights, values, output, kept = bounded_case(5, heavy=True)
-    direct = aggregate_groups(scoring.caote_errors(weights, values, kept=kept), "rss")
+    direct = aggregate_groups(value_aware.caote_errors(weights, values, kept=kept), "rss")
     calls = []
-    bound = scoring.heavy_lower_bound
-    monkeypatch.setattr(scoring, "heavy_lower_bound", lambda *a: calls.append(1) or bound(*a))
+    bound = bounds.heavy_token_lower_bound
+    monkeypatch.setattr(bounds, "heavy_token_lower_bound", lambda *a: calls.append(1) or bound(*a))
     for full in (True, False):
-        monkeypatch.setattr(scoring, "full_float32_products", lambda: full)
-        bounded = scoring.lowest_errors(output, weights, values, kept, 1, "rss", True)
+        monkeypatch.setattr(bounds, "full_float32_products", lambda: full)
+        bounded = bounds.lowest_errors(output, weights, values, kept, 1, "rss", True)
         assert torch.equal(victims(bounded, kept, 1), victims(direct, kept, 1))
         assert len(calls) == 1
 
@@ -476,31 +478,31 @@ def test_the_heavy_token_is_bounded_only_under_float32_products(monkeypatch):
 def test_the_triangle_bounds_need_their_rounding_slack_where_they_are_tight(monkeypatch):
     """Values parallel to the output make ``| ||x|| - ||v|| | = ||x - v||`` exact: only the slack for float32 norms
     keeps the computed lower bounds below the computed distances, and without it some bound lies above."""
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 0)
     generator = torch.Generator().manual_seed(11)
     weights = torch.softmax(torch.randn(2, 4, 1, 400, generator=generator) * 2, -1)
     direction = torch.randn(2, 4, 1, 1, 64, generator=generator)
     values = direction * (torch.rand(2, 4, 1, 400, 1, generator=generator) * 6 + 1)  # v_j = s_j u
     kept = torch.zeros(2, 4, 1, 400, dtype=torch.bool)
-    output = scoring.weighted_values(weights, values)
-    direct = aggregate_groups(scoring.caote_errors(weights, values, kept=kept), "rss")
-    bounded = scoring.lowest_errors(output, weights, values, kept, 1, "rss", True)
+    output = value_aware.weighted_values(weights, values)
+    direct = aggregate_groups(value_aware.caote_errors(weights, values, kept=kept), "rss")
+    bounded = bounds.lowest_errors(output, weights, values, kept, 1, "rss", True)
     assert (bounded <= direct).all()
     assert torch.equal(victims(bounded, kept, 1), victims(direct, kept, 1))
-    monkeypatch.setattr(scoring, "NORM_ROUNDING", 0.0)
-    monkeypatch.setattr(scoring, "BOUND_MARGIN", 0.0)
-    assert not (scoring.lowest_errors(output, weights, values, kept, 1, "rss", True) <= direct).all()
+    monkeypatch.setattr(bounds, "NORM_ROUNDING", 0.0)
+    monkeypatch.setattr(bounds, "BOUND_MARGIN", 0.0)
+    assert not (bounds.lowest_errors(output, weights, values, kept, 1, "rss", True) <= direct).all()
 
 
 def test_bounded_errors_give_way_to_the_direct_ones_below_their_size(monkeypatch):
     weights, values, output, kept = bounded_case(2)  # 2 x 3 rows of 300 tokens
-    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss", True) is None
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 2 * 3 * 300)
-    assert scoring.lowest_errors(output, weights, values, kept, 1, "rss", True) is not None
+    assert bounds.lowest_errors(output, weights, values, kept, 1, "rss", True) is None
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 2 * 3 * 300)
+    assert bounds.lowest_errors(output, weights, values, kept, 1, "rss", True) is not None
 
 
 def test_a_policy_told_how_many_go_scores_only_the_candidates_and_evicts_the_same(monkeypatch):
-    monkeypatch.setattr(scoring, "BOUNDED_FROM", 0)
+    monkeypatch.setattr(bounds, "BOUNDED_FROM", 0)
     weights, values, _, kept = bounded_case(1, heavy=True)
     rows = weights.view(2, 9, 1, -1)
     inputs = ScoreInputs(
@@ -522,12 +524,22 @@ def test_the_stable_form_of_a_few_heavy_rows_reads_only_their_values_and_agrees_
     weights[2, 0, 0] = torch.full((12,), 1.0).index_fill_(0, torch.tensor([0]), 30.0) / 41.0
     kept = torch.zeros(3, 4, 1, 12, dtype=torch.bool)
     kept[2, 0, 0, 0] = True  # that row's heavy token stays: it needs no stable form
-    heaviest, heavy, stable = scoring.heaviest_token(weights, values, kept)
+    top_weight, heaviest, heavy = value_aware.heavy_tokens(weights, kept)
+    stable = value_aware.heavy_token_errors(weights, values, top_weight, heaviest, heavy)
     assert heavy.sum() == 1 and heavy[0, 1, 2]  # 1 row of 12 value rows: only its values are read
-    every = scoring.stable_error(weights, values, weights.amax(-1, keepdim=True), heaviest)  # an accelerator's way
+    every = value_aware.heavy_token_errors(weights, values, top_weight, heaviest)  # an accelerator's way: every row
     torch.testing.assert_close(stable[heavy], every[heavy], rtol=1e-6, atol=0)
     assert (stable[~heavy] == 0).all()
     weights[:, :, :, 5] = 2.0  # every row heavy: every row read
     weights = weights / weights.sum(-1, keepdim=True)
-    heaviest, _, stable = scoring.heaviest_token(weights, values)
-    assert torch.equal(stable, scoring.stable_error(weights, values, weights.amax(-1, keepdim=True), heaviest))
+    top_weight, heaviest, heavy = value_aware.heavy_tokens(weights)
+    stable = value_aware.heavy_token_errors(weights, values, top_weight, heaviest, heavy)
+    assert torch.equal(stable, value_aware.heavy_token_errors(weights, values, top_weight, heaviest))
+
+
+def test_group_size_refuses_kv_heads_that_do_not_divide_the_query_heads():
+    assert group_size(12, 4) == 3 and group_size(8, 8) == 1
+    with pytest.raises(ValueError, match="6 query heads cannot be grouped over 4 KV heads"):
+        group_size(6, 4)
+    with pytest.raises(ValueError, match="cannot be grouped"):
+        group_query_heads(torch.zeros(1, 6, 5), 4)

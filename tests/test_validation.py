@@ -282,7 +282,8 @@ def test_the_benchmark_accepts_a_budget_its_policies_can_use():
 
 
 def test_the_random_policy_scores_outside_a_cache_and_hindsight_is_named_by_its_schedule():
-    from caote.policies import BASE_SCORES, ScoreInputs, parse_policy
+    from caote.bases import BASE_SCORES, ScoreInputs
+    from caote.policies import parse_policy
 
     keys = torch.randn(1, 2, 10, 4)
     inputs = ScoreInputs(keys=keys, values=keys, positions=torch.arange(10).expand(1, 2, 10), real=None)

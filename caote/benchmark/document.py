@@ -22,8 +22,22 @@ def _num(value, digits: int = 2) -> str:
 def markdown_report(document: dict) -> str:
     """The summary as Markdown: medians per context, ratios, targets met or not."""
     meta, summary = document["meta"], document.get("summary") or summarise(document)
+    lines = _header_lines(meta)
+    for context, rows in summary["ratios"].items():
+        lines += _context_section(context, rows, summary["medians"], meta["configurations"])
+    lines += _growth_section(summary.get("growth") or {})
+    lines += _operators_section(document.get("operators"))
+    rounds = document.get("decode_rounds")
+    if rounds:
+        lines += decode_rounds_section(rounds, summary, meta)
+    lines += _targets_section(summary)
+    return "\n".join(lines)
+
+
+def _header_lines(meta: dict) -> list[str]:
+    """The title and the run's setting: model, prompt, budget, machine, load, memory method, what "vs base" means."""
     config = meta["config"]
-    lines = [
+    return [
         f"# caote benchmark: {meta['model']}",
         "",
         f"- model: {meta['model_type']}, {meta['layers']} layers, {meta['query_heads']} query / {meta['kv_heads']} KV "
@@ -44,87 +58,101 @@ def markdown_report(document: dict) -> str:
         f"- run {meta['started']} .. {meta.get('finished', '(unfinished)')}",
         "",
     ]
-    for context, rows in summary["ratios"].items():
-        lines += [
-            f"## Context {context} tokens",
-            "",
-            "| configuration | n | prefill s | vs full-sdpa | vs streamingllm | vs base | KV peak MiB | "
-            "KV peak / full (bound) | RSS peak MiB | prefill RSS MiB | decode tok/s | decode vs full@b | "
-            "decode speed-up (traffic bound) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for name in meta["configurations"]:
-            median = summary["medians"].get(name, {}).get(context)
-            if median is None:
-                continue
-            ratio = rows.get(name, {})
-            kv_ratio = (
-                "-"
-                if "kv_peak_vs_full" not in ratio
-                else f"{ratio['kv_peak_vs_full']:.3f} ({ratio['kv_peak_bound']:.3f})"
-            )
-            speedup = (
-                "-"
-                if ratio.get("decode_speedup") is None
-                else f"{ratio['decode_speedup']:.2f} ({ratio['decode_speedup_bound']:.2f})"
-            )
-            lines.append(
-                f"| {name} | {median['samples']} | {_num(median['prefill_s'])} "
-                f"| {_num(ratio.get('prefill_vs_full_sdpa'))} "
-                f"| {_num(ratio.get('time_vs_streamingllm'), 3)} | {_num(ratio.get('time_vs_base'), 3)} "
-                f"| {_mib(median['kv_peak_bytes'])} | {kv_ratio} | {_mib(median['peak_rss_bytes'])} "
-                f"| {_mib(median['prefill_rss_bytes'])} | {_num(median['decode_tokens_per_s'])} "
-                f"| {_num(ratio.get('decode_vs_full_at_budget'))} | {speedup} |"
-            )
-        lines.append("")
-    growth = summary.get("growth") or {}
-    if growth:
-        lines += [
-            "## How cost grows with the context",
-            "",
-            "Least-squares line of the median prefill time over the contexts (growth.png); marginal cost: seconds per "
-            "extra token between the two largest contexts over those between the two smallest (1 = linear; a "
-            "quadratic cost gives 4 over 2k, 4k, 8k, 16k).",
-            "",
-            "| configuration | contexts | prefill s per 1k tokens | r² | marginal cost last / first | "
-            "peak RSS largest / smallest |",
-            "|---|---|---|---|---|---|",
-        ]
-        for name, fit in growth.items():
-            contexts = ", ".join(f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in fit["contexts"])
-            lines.append(
-                f"| {name} | {contexts} | {_num(fit['seconds_per_1k_tokens'])} | {_num(fit['r2'], 4)} "
-                f"| {_num(fit['marginal_cost_ratio'])} | {_num(fit['peak_rss_ratio'])} |"
-            )
-        lines.append("")
-    operators = document.get("operators")
-    if operators:
-        counts = operators["counts"]
-        lines += [
-            "## Operators per decode step",
-            "",
-            f"ATen operators (views included, a `TorchDispatchMode`) of one decode step evicting one token after a "
-            f"{operators['prompt_tokens']}-token prompt, beside full@b (whose layer runs "
-            f"{counts[FULL_AT_BUDGET]['per_layer']:.0f}): what the step adds per evicting layer (over the "
-            f"{operators['evicting_layers']} evicting layers, the work they share included), what one layer's "
-            "attention adds (the median) and what the forward adds once (the shared positions, the eviction of a "
-            "decode step's layers together). The count does not depend on the machine's load.",
-            "",
-            "| configuration | extra per evicting layer | in a layer | per forward |",
-            "|---|---|---|---|",
-        ]
-        for name, entry in counts.items():
-            if name != FULL_AT_BUDGET:
-                in_layer = entry.get("extra_in_layer")  # not counted apart before layers were evicted together
-                in_layer = "-" if in_layer is None else f"{in_layer:.1f}"
-                lines.append(
-                    f"| {name} | {entry['extra_per_layer']:.1f} | {in_layer} | {entry['extra_per_forward']:.1f} |"
-                )
-        lines.append("")
-    rounds = document.get("decode_rounds")
-    if rounds:
-        lines += decode_rounds_section(rounds, summary, meta)
-    lines += [
+
+
+def _context_section(context: str, rows: dict, medians: dict, configurations: list[str]) -> list[str]:
+    """One context's table: each measured configuration's medians and its ratios to the references."""
+    lines = [
+        f"## Context {context} tokens",
+        "",
+        "| configuration | n | prefill s | vs full-sdpa | vs streamingllm | vs base | KV peak MiB | "
+        "KV peak / full (bound) | RSS peak MiB | prefill RSS MiB | decode tok/s | decode vs full@b | "
+        "decode speed-up (traffic bound) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in configurations:
+        median = medians.get(name, {}).get(context)
+        if median is not None:
+            lines.append(_configuration_row(name, median, rows.get(name, {})))
+    lines.append("")
+    return lines
+
+
+def _configuration_row(name: str, median: dict, ratio: dict) -> str:
+    """A configuration's row of its context's table."""
+    kv_ratio = (
+        "-" if "kv_peak_vs_full" not in ratio else f"{ratio['kv_peak_vs_full']:.3f} ({ratio['kv_peak_bound']:.3f})"
+    )
+    speedup = (
+        "-"
+        if ratio.get("decode_speedup") is None
+        else f"{ratio['decode_speedup']:.2f} ({ratio['decode_speedup_bound']:.2f})"
+    )
+    return (
+        f"| {name} | {median['samples']} | {_num(median['prefill_s'])} "
+        f"| {_num(ratio.get('prefill_vs_full_sdpa'))} "
+        f"| {_num(ratio.get('time_vs_streamingllm'), 3)} | {_num(ratio.get('time_vs_base'), 3)} "
+        f"| {_mib(median['kv_peak_bytes'])} | {kv_ratio} | {_mib(median['peak_rss_bytes'])} "
+        f"| {_mib(median['prefill_rss_bytes'])} | {_num(median['decode_tokens_per_s'])} "
+        f"| {_num(ratio.get('decode_vs_full_at_budget'))} | {speedup} |"
+    )
+
+
+def _growth_section(growth: dict) -> list[str]:
+    """How the prefill time and peak RSS grow with the context (none when fewer than 3 contexts were measured)."""
+    if not growth:
+        return []
+    lines = [
+        "## How cost grows with the context",
+        "",
+        "Least-squares line of the median prefill time over the contexts (growth.png); marginal cost: seconds per "
+        "extra token between the two largest contexts over those between the two smallest (1 = linear; a "
+        "quadratic cost gives 4 over 2k, 4k, 8k, 16k).",
+        "",
+        "| configuration | contexts | prefill s per 1k tokens | r² | marginal cost last / first | "
+        "peak RSS largest / smallest |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, fit in growth.items():
+        contexts = ", ".join(f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in fit["contexts"])
+        lines.append(
+            f"| {name} | {contexts} | {_num(fit['seconds_per_1k_tokens'])} | {_num(fit['r2'], 4)} "
+            f"| {_num(fit['marginal_cost_ratio'])} | {_num(fit['peak_rss_ratio'])} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _operators_section(operators: dict | None) -> list[str]:
+    """The ATen operators a decode step adds per evicting layer, beside full@b (none when they were not counted)."""
+    if not operators:
+        return []
+    counts = operators["counts"]
+    lines = [
+        "## Operators per decode step",
+        "",
+        f"ATen operators (views included, a `TorchDispatchMode`) of one decode step evicting one token after a "
+        f"{operators['prompt_tokens']}-token prompt, beside full@b (whose layer runs "
+        f"{counts[FULL_AT_BUDGET]['per_layer']:.0f}): what the step adds per evicting layer (over the "
+        f"{operators['evicting_layers']} evicting layers, the work they share included), what one layer's "
+        "attention adds (the median) and what the forward adds once (the shared positions, the eviction of a "
+        "decode step's layers together). The count does not depend on the machine's load.",
+        "",
+        "| configuration | extra per evicting layer | in a layer | per forward |",
+        "|---|---|---|---|",
+    ]
+    for name, entry in counts.items():
+        if name != FULL_AT_BUDGET:
+            in_layer = entry.get("extra_in_layer")  # not counted apart before layers were evicted together
+            in_layer = "-" if in_layer is None else f"{in_layer:.1f}"
+            lines.append(f"| {name} | {entry['extra_per_layer']:.1f} | {in_layer} | {entry['extra_per_forward']:.1f} |")
+    lines.append("")
+    return lines
+
+
+def _targets_section(summary: dict) -> list[str]:
+    """The targets, each with its value, limit and whether it was met."""
+    lines = [
         f"## Targets: {summary['targets_met']} of {summary['targets_total']} met",
         "",
         "| target | value | limit | met |",
@@ -139,7 +167,7 @@ def markdown_report(document: dict) -> str:
             f"| {'yes' if target['met'] else '**no**'} |"
         )
     lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def _load(averages: list[float]) -> str:

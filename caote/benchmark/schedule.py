@@ -49,42 +49,7 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
     ids, source = prompt_ids(tokenizer, max(config.contexts), config.text, model.config.vocab_size, config.seed)
     position_limit = allow_positions(model, max(config.contexts) + config.new_tokens)
     configurations = config.configurations()
-    document = {
-        "meta": {
-            "model": config.model,
-            "model_type": model.config.model_type,
-            "layers": model.config.num_hidden_layers,
-            "query_heads": model.config.num_attention_heads,
-            "kv_heads": model.config.num_key_value_heads,
-            "head_dim": getattr(model.config, "head_dim", None)
-            or model.config.hidden_size // model.config.num_attention_heads,
-            "dtype": str(next(model.parameters()).dtype),
-            "weight_bytes": weight_bytes(model),
-            "prompt": source,
-            "position_limit_raised": None
-            if position_limit is None
-            else f"from {position_limit} to {model.config.max_position_embeddings} (same weights; timing only, "
-            f"predictions past {position_limit} tokens mean nothing)",
-            "config": dataclasses.asdict(config),
-            "configurations": configurations,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs visible, torch threads {config.threads}",
-            "memory_method": (
-                "VmHWM (peak resident set) read right after the prefill, "
-                + (
-                    "in a fresh process per sample"
-                    if config.isolate
-                    else "after malloc_trim(0) and a VmHWM reset (/proc/self/clear_refs = 5) per sample"
-                )
-                + "; baseline VmRSS after loading and a 16-token warm-up"
-            ),
-            "load_average_start": load_average(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        },
-        "samples": [],
-    }
+    document = {"meta": _meta(config, model, source, position_limit, configurations), "samples": []}
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -93,6 +58,62 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
         prompt = ids[:, : evicting[0]]
         document["operators"] = operator_counts(model, prompt, config.decode_policies, config.budget, config.block_size)
         log(_operators_line(document["operators"]))
+    _measure_samples(config, ids, configurations, document, out, log)
+    decoded = [context for context in evicting if context <= DECODE_ROUNDS_UP_TO]
+    if config.new_tokens and config.decode_policies and decoded and config.decode_rounds:
+        _decode_rounds(config, model, ids, decoded, document, out, log)
+    document["meta"]["load_average_end"] = load_average()
+    document["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    document["summary"] = summarise(document)
+    if out is not None:
+        _write_json(document, out / "results.json")
+        write_documents(document, out, log)
+    return document
+
+
+def _meta(config: BenchConfig, model, source: str, position_limit, configurations: list[str]) -> dict:
+    """The run's ``meta``: the model's shape, the prompt, the configuration, the software, the machine and its load
+    at the start."""
+    return {
+        "model": config.model,
+        "model_type": model.config.model_type,
+        "layers": model.config.num_hidden_layers,
+        "query_heads": model.config.num_attention_heads,
+        "kv_heads": model.config.num_key_value_heads,
+        "head_dim": getattr(model.config, "head_dim", None)
+        or model.config.hidden_size // model.config.num_attention_heads,
+        "dtype": str(next(model.parameters()).dtype),
+        "weight_bytes": weight_bytes(model),
+        "prompt": source,
+        "position_limit_raised": None
+        if position_limit is None
+        else f"from {position_limit} to {model.config.max_position_embeddings} (same weights; timing only, "
+        f"predictions past {position_limit} tokens mean nothing)",
+        "config": dataclasses.asdict(config),
+        "configurations": configurations,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs visible, torch threads {config.threads}",
+        "memory_method": (
+            "VmHWM (peak resident set) read right after the prefill, "
+            + (
+                "in a fresh process per sample"
+                if config.isolate
+                else "after malloc_trim(0) and a VmHWM reset (/proc/self/clear_refs = 5) per sample"
+            )
+            + "; baseline VmRSS after loading and a 16-token warm-up"
+        ),
+        "load_average_start": load_average(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def _measure_samples(
+    config: BenchConfig, ids: torch.Tensor, configurations: list[str], document: dict, out: Path | None, log
+) -> None:
+    """Every configuration at every context, round-robin per repeat (the order rotated at each repeat), each sample
+    appended to ``document["samples"]`` (and results.json rewritten) as soon as it is measured."""
     rounds = max(config.repeats_for(context) for context in config.contexts)
     with tempfile.TemporaryDirectory(prefix="caote-bench-") as workdir:
         ids_path = str(Path(workdir) / "ids.pt")
@@ -103,16 +124,7 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
                     continue
                 shift = repeat % len(configurations)
                 for configuration in configurations[shift:] + configurations[:shift]:
-                    settings = {
-                        "model": config.model,
-                        "seed": config.seed,
-                        "threads": config.threads,
-                        "budget": config.budget,
-                        "block_size": config.block_size,
-                        "new_tokens": config.new_tokens,
-                        "decode": config.decodes(configuration),
-                        "decode_eviction_interval": config.decode_eviction_interval,
-                    }
+                    settings = _sample_settings(config, configuration)
                     load = load_average()
                     if config.isolate:
                         sample = run_isolated(configuration, context, ids_path, settings, workdir)
@@ -123,33 +135,45 @@ def _run(config: BenchConfig, out_dir, log) -> dict:
                     log(_sample_line(sample))
                     if out is not None:
                         _write_json(document, out / "results.json")
-    decoded = [context for context in evicting if context <= DECODE_ROUNDS_UP_TO]
-    if config.new_tokens and config.decode_policies and decoded and config.decode_rounds:
-        document["decode_rounds"] = []
-        for number in range(config.decode_rounds):
-            started = load_average()
-            ms = interleaved_decode(
-                model,
-                ids,
-                decoded,
-                [config.budget],
-                [FULL_AT_BUDGET, *config.decode_policies],
-                steps=config.new_tokens + DECODE_WARM_UP,
-                timed=config.new_tokens,
-                block=config.block_size,
-                interval=config.decode_eviction_interval,
-                progress=lambda cell, number=number: log(f"decode round {number + 1}: {cell}"),
-            )
-            document["decode_rounds"].append({"load_start": started, "load_end": load_average(), "ms": ms})
-            if out is not None:
-                _write_json(document, out / "results.json")
-    document["meta"]["load_average_end"] = load_average()
-    document["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    document["summary"] = summarise(document)
-    if out is not None:
-        _write_json(document, out / "results.json")
-        write_documents(document, out, log)
-    return document
+
+
+def _sample_settings(config: BenchConfig, configuration: str) -> dict:
+    """What one sample of ``configuration`` needs of the run's configuration (also passed to an isolated worker)."""
+    return {
+        "model": config.model,
+        "seed": config.seed,
+        "threads": config.threads,
+        "budget": config.budget,
+        "block_size": config.block_size,
+        "new_tokens": config.new_tokens,
+        "decode": config.decodes(configuration),
+        "decode_eviction_interval": config.decode_eviction_interval,
+    }
+
+
+def _decode_rounds(
+    config: BenchConfig, model, ids: torch.Tensor, decoded: list[int], document: dict, out: Path | None, log
+) -> None:
+    """``config.decode_rounds`` rounds of every decode policy's steps interleaved beside full@b at the ``decoded``
+    contexts (`interleaved_decode`), into ``document["decode_rounds"]`` (results.json rewritten after each)."""
+    document["decode_rounds"] = []
+    for number in range(config.decode_rounds):
+        started = load_average()
+        ms = interleaved_decode(
+            model,
+            ids,
+            decoded,
+            [config.budget],
+            [FULL_AT_BUDGET, *config.decode_policies],
+            steps=config.new_tokens + DECODE_WARM_UP,
+            timed=config.new_tokens,
+            block=config.block_size,
+            interval=config.decode_eviction_interval,
+            progress=lambda cell, number=number: log(f"decode round {number + 1}: {cell}"),
+        )
+        document["decode_rounds"].append({"load_start": started, "load_end": load_average(), "ms": ms})
+        if out is not None:
+            _write_json(document, out / "results.json")
 
 
 def _sample_line(sample: dict) -> str:

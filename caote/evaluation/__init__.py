@@ -1,7 +1,8 @@
 """Evaluation: benchmarks that measure what eviction costs, on the bundled model or any other.
 
-Bottom up: leaf modules (`examples`, `metrics`, `data`, `stats`, `reference`, `tasks`, `fidelity`) -> one module per
-task (`niah`, `ruler`, `longbench`, `perplexity`) -> `registry` (the only list of tasks) -> `rows`, `lockstep` ->
-`config` -> `runner` -> summaries that read rows only (`tables`, `plots`, `summary`) -> the results document
-(`grids`, `document`) -> `report` (the runs) -> `cli` (``caote eval``). See docs/architecture.md.
+Bottom up: leaf modules (`examples`, `metrics`, `data`, `stats`, `reference`, `tasks`, `fidelity`,
+`ruler_content`) -> one module per task (`niah`, `ruler`, `longbench`, `perplexity`) -> `registry` (the only list
+of tasks) -> `rows`, `lockstep` -> `config` -> `runner` -> summaries that read rows only (`tables`, `plots`,
+`summary`) -> the results document (`grids`, `document`) -> `report` (the runs) -> `cli` (``caote eval``). See
+docs/architecture.md.
 """

@@ -58,7 +58,8 @@ def beyond_records(rows: dict[str, list[dict]], policies: list[str], budgets: li
                 at = {name: cell for (name, b), cell in kl.items() if b == budget and cell}
                 record["gap_closed"] = gap_closed(at, policy, best, -1.0)
                 base = parse_policy(policy).base.about.paper_base
-                own = best_policy(kl, budget, -1.0, [name for name in PAPER_POLICIES if name.split("+")[0] == base])
+                variants = [name for name in PAPER_POLICIES if parse_policy(name).base_name == base]
+                own = best_policy(kl, budget, -1.0, variants)
                 if own:
                     record["base_variant"] = own
                     record["vs_base"] = _difference(kl, policy, own, budget)

@@ -15,7 +15,7 @@ from caote.defaults import PAPER_BASES
 from caote.evaluation.examples import row_protocol
 from caote.evaluation.stats import Estimate, paired_difference
 from caote.evaluation.tables import MIN_PAIRED_UNITS, values_by_cell
-from caote.policies import expand_policies
+from caote.policies import expand_policies, policy_name
 
 PAPER_POLICIES = [name for name in expand_policies("paper") if name != "full"]
 EQUIVALENCE_SHARE = 0.10  # "FastCAOTE ≈ CAOTE": their KL differs by less than 10 % of the plain base's KL
@@ -86,7 +86,7 @@ def _budgets(*cell_maps: dict) -> list[int]:
 
 def _caote_gain(cells: dict, base: str, budget: int) -> dict[str, float]:
     """Relative KL reduction of ``base+caote`` over ``base`` per unit."""
-    plain, treated = cells.get((base, budget), {}), cells.get((f"{base}+caote", budget), {})
+    plain, treated = cells.get((base, budget), {}), cells.get((policy_name(base, "caote"), budget), {})
     return {unit: (plain[unit] - treated[unit]) / plain[unit] for unit in plain.keys() & treated.keys() if plain[unit]}
 
 
@@ -94,9 +94,10 @@ def _equivalence_claim(cells: dict, budgets: list[int]) -> Claim:
     """FastCAOTE ≈ CAOTE: for every base and budget, the interval of (fast − caote) KL lies within ±10 % of the plain
     base's mean KL (reproduced), entirely outside it (refuted), or straddles its edge (inconclusive)."""
     outcomes, evidence = {}, []
-    for base in [b for b in PAPER_BASES if any(policy == f"{b}+fastcaote" for policy, _ in cells)]:
+    for base in [b for b in PAPER_BASES if any(policy == policy_name(b, "fastcaote") for policy, _ in cells)]:
         for budget in budgets:
-            fast, exact, plain = (cells.get((name, budget)) for name in (f"{base}+fastcaote", f"{base}+caote", base))
+            names = (policy_name(base, "fastcaote"), policy_name(base, "caote"), base)
+            fast, exact, plain = (cells.get((name, budget)) for name in names)
             if not fast or not exact or not plain:
                 outcomes[(base, budget)] = "no rows"
                 continue
@@ -139,7 +140,10 @@ def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> lis
                     source,
                     f"paired Δ {short} ({base}+caote − {base}) per essay < 0 at every budget",
                     budgets,
-                    lambda b, base=base, cells=cells: (cells.get((f"{base}+caote", b)), cells.get((base, b))),
+                    lambda b, base=base, cells=cells: (
+                        cells.get((policy_name(base, "caote"), b)),
+                        cells.get((base, b)),
+                    ),
                     favours_lower=True,
                     digits=digits,
                 )
@@ -170,7 +174,7 @@ def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> lis
                 digits=3,
             )
         )
-    ablated = [base for base in PAPER_BASES if any(policy == f"{base}+caote/mean" for policy, _ in kl)]
+    ablated = [base for base in PAPER_BASES if any(policy == policy_name(base, "caote", "mean") for policy, _ in kl)]
     for base in ablated or PAPER_BASES[:1]:
         result.append(
             _paired_claim(
@@ -178,7 +182,10 @@ def claims(rows: dict[str, list[dict]], budgets: list[int] | None = None) -> lis
                 "ours (`gqa='rss'`, the default)",
                 f"paired Δ KL ({base}+caote − {base}+caote/mean) per essay < 0 at every budget",
                 budgets,
-                lambda b, base=base: (kl.get((f"{base}+caote", b)), kl.get((f"{base}+caote/mean", b))),
+                lambda b, base=base: (
+                    kl.get((policy_name(base, "caote"), b)),
+                    kl.get((policy_name(base, "caote", "mean"), b)),
+                ),
                 favours_lower=True,
             )
         )

@@ -74,82 +74,28 @@ def check_budgets(policies: list[str], budgets: list[int], block_size: int = DEF
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     """Validate the ``caote eval`` arguments into an `EvalConfig` (a one-line `ValueError` on anything wrong)."""
-    benchmark = str(args.benchmark).strip().lower()
-    if benchmark not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {args.benchmark!r} (choose from {', '.join(BENCHMARKS)})")
+    benchmark = _benchmark(args.benchmark)
     task = TASKS.get(benchmark)
-    try:
-        if args.policies is None and benchmark == REPORT:
-            policies = []  # the grid's own (`caote.evaluation.grids.part_configs`)
-        else:
-            policies = expand_policies(DEFAULT_POLICIES if args.policies is None else args.policies)
-    except ValueError as error:
-        raise ValueError(f"--policies: {error}") from None
-    hindsight = hindsight_policies(policies)
-    if hindsight and task is not None and task.texts is None:
-        raise ValueError(
-            f"--policies: {', '.join(hindsight)} reads the attention of later queries, known only on a teacher-forced "
-            f"text: it runs on perplexity and fidelity, not on {benchmark}, which generates"
-        )
+    policies = _policies(args.policies, benchmark, task)
     budgets = _int_list("--budgets", args.budgets)
     check_budgets(policies, budgets)
     lengths = _int_list("--lengths", args.lengths, minimum=16)
-    samples = None if args.samples is None else _int_list("--samples", args.samples)[0]
-    try:
-        seed = parse_int(args.seed)
-    except ValueError:
-        raise ValueError(f"--seed: {args.seed!r} is not an integer") from None
+    samples = _optional_count("--samples", args.samples)
+    seed = _seed(args.seed)
     if args.split not in SPLITS:
         raise ValueError(f"--split: {args.split!r} is not 'dev' or 'test'")
-    data_dir = args.data_dir
-    if task is not None and task.needs_data_dir:
-        if data_dir is None:
-            raise ValueError(f"{benchmark} needs --data-dir: a folder of LongBench <task>.jsonl files")
-        if not Path(data_dir).is_dir():
-            raise ValueError(f"--data-dir: {str(data_dir)!r} is not a folder")
-    if args.quick and benchmark != REPORT:
-        raise ValueError(f"--quick applies to '{REPORT}' only")
-    if args.summarise_only and benchmark != REPORT:
-        raise ValueError(f"--summarise-only applies to '{REPORT}' only")
-    predictor = getattr(args, "predictor", None)
-    if predictor is not None and (task is None or task.texts is None):
-        raise ValueError("--predictor applies to the texts tasks (perplexity, fidelity) only")
-    if predictor is not None and not Path(predictor).is_file():
-        raise ValueError(f"--predictor: {str(predictor)!r} is not a file; write one with 'caote calibrate'")
-    grid = "quick" if args.quick else (args.grid or "full")
-    if args.quick and args.grid not in (None, "quick"):
-        raise ValueError(f"--quick is --grid quick; it contradicts --grid {args.grid}")
-    if args.grid is not None and benchmark != REPORT:
-        raise ValueError(f"--grid applies to '{REPORT}' only")
-    if grid not in GRID_NAMES:
-        raise ValueError(f"--grid: unknown grid {grid!r} (choose from {', '.join(GRID_NAMES)})")
-    if args.docs is not None and benchmark != REPORT:
-        raise ValueError(f"--docs applies to '{REPORT}' only")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
-    if tasks and task is not None and task.subtasks:
-        unknown = sorted(set(tasks) - set(task.subtasks))
-        if unknown:
-            raise ValueError(f"--tasks: unknown {benchmark} tasks {unknown} (choose from {', '.join(task.subtasks)})")
-    depths = None
-    if args.depths:
-        try:
-            depths = [float(d) for d in args.depths.split(",") if d.strip()]
-        except ValueError:
-            raise ValueError(f"--depths: {args.depths!r} is not a comma list of numbers") from None
-        if not depths or any(not 0 <= d <= 100 for d in depths):
-            raise ValueError(f"--depths: {args.depths!r} must be percentages in 0..100")
-    protocols = None
-    if getattr(args, "protocols", None):
-        protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
-        unknown = [p for p in protocols if p not in PROTOCOLS]
-        if unknown or not protocols:
-            raise ValueError(f"--protocols: unknown {unknown} (choose from {', '.join(PROTOCOLS)})")
-        if benchmark != "niah":
-            raise ValueError("--protocols applies to 'niah' only")
-    max_new_tokens = None if args.max_new_tokens is None else _int_list("--max-new-tokens", args.max_new_tokens)[0]
-    threads = None if args.threads is None else _int_list("--threads", args.threads)[0]
+    data_dir = _data_dir(args.data_dir, benchmark, task)
+    _only_for_report("--quick", args.quick, benchmark)
+    _only_for_report("--summarise-only", args.summarise_only, benchmark)
+    predictor = _predictor(getattr(args, "predictor", None), task)
+    grid = _grid(args.grid, args.quick, benchmark)
+    _only_for_report("--docs", args.docs is not None, benchmark)
+    tasks = _subtasks(args.tasks, benchmark, task)
+    depths = _depths(args.depths)
+    protocols = _protocols(getattr(args, "protocols", None), benchmark)
+    max_new_tokens = _optional_count("--max-new-tokens", args.max_new_tokens)
+    threads = _optional_count("--threads", args.threads)
     default_out = Path("results") / (f"{REPORT}-{grid}" if benchmark == REPORT else benchmark)
-    out = Path(args.out) if args.out is not None else default_out
     return EvalConfig(
         benchmark=benchmark,
         model=args.model,
@@ -159,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         samples=samples,
         seed=seed,
         split=args.split,
-        out=out,
+        out=Path(args.out) if args.out is not None else default_out,
         data_dir=data_dir,
         tasks=tasks,
         depths=depths,
@@ -173,3 +119,115 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         grid=grid,
         progress=not args.no_progress,
     )
+
+
+def _benchmark(name) -> str:
+    """The benchmark's name, lower-cased; one of `BENCHMARKS`."""
+    benchmark = str(name).strip().lower()
+    if benchmark not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS)})")
+    return benchmark
+
+
+def _policies(text: str | None, benchmark: str, task) -> list[str]:
+    """``--policies`` expanded (default: `DEFAULT_POLICIES`; a report without it: none, the grid's own); a hindsight
+    policy only on a teacher-forced texts task."""
+    try:
+        if text is None and benchmark == REPORT:
+            policies = []  # the grid's own (`caote.evaluation.grids.part_configs`)
+        else:
+            policies = expand_policies(DEFAULT_POLICIES if text is None else text)
+    except ValueError as error:
+        raise ValueError(f"--policies: {error}") from None
+    hindsight = hindsight_policies(policies)
+    if hindsight and task is not None and task.texts is None:
+        raise ValueError(
+            f"--policies: {', '.join(hindsight)} reads the attention of later queries, known only on a teacher-forced "
+            f"text: it runs on perplexity and fidelity, not on {benchmark}, which generates"
+        )
+    return policies
+
+
+def _optional_count(option: str, text: str | None) -> int | None:
+    """A positive integer option, or None when it is not given."""
+    return None if text is None else _int_list(option, text)[0]
+
+
+def _seed(text) -> int:
+    """``--seed``: any integer."""
+    try:
+        return parse_int(text)
+    except ValueError:
+        raise ValueError(f"--seed: {text!r} is not an integer") from None
+
+
+def _data_dir(data_dir, benchmark: str, task):
+    """``--data-dir``, required (an existing folder) by a task that reads one."""
+    if task is not None and task.needs_data_dir:
+        if data_dir is None:
+            raise ValueError(f"{benchmark} needs --data-dir: a folder of LongBench <task>.jsonl files")
+        if not Path(data_dir).is_dir():
+            raise ValueError(f"--data-dir: {str(data_dir)!r} is not a folder")
+    return data_dir
+
+
+def _only_for_report(option: str, given, benchmark: str) -> None:
+    """An option of ``caote eval report`` alone: given to another benchmark, a `ValueError`."""
+    if given and benchmark != REPORT:
+        raise ValueError(f"{option} applies to '{REPORT}' only")
+
+
+def _predictor(predictor, task):
+    """``--predictor``: an existing file, for the texts tasks only."""
+    if predictor is not None and (task is None or task.texts is None):
+        raise ValueError("--predictor applies to the texts tasks (perplexity, fidelity) only")
+    if predictor is not None and not Path(predictor).is_file():
+        raise ValueError(f"--predictor: {str(predictor)!r} is not a file; write one with 'caote calibrate'")
+    return predictor
+
+
+def _grid(grid: str | None, quick: bool, benchmark: str) -> str:
+    """The report's grid: ``--grid`` (default full), or quick with ``--quick``; one of `GRID_NAMES`."""
+    chosen = "quick" if quick else (grid or "full")
+    if quick and grid not in (None, "quick"):
+        raise ValueError(f"--quick is --grid quick; it contradicts --grid {grid}")
+    _only_for_report("--grid", grid is not None, benchmark)
+    if chosen not in GRID_NAMES:
+        raise ValueError(f"--grid: unknown grid {chosen!r} (choose from {', '.join(GRID_NAMES)})")
+    return chosen
+
+
+def _subtasks(text: str | None, benchmark: str, task) -> list[str] | None:
+    """``--tasks`` as a list (None: every subtask), each one of the task's subtasks where it names them."""
+    tasks = [t.strip() for t in text.split(",") if t.strip()] if text else None
+    if tasks and task is not None and task.subtasks:
+        unknown = sorted(set(tasks) - set(task.subtasks))
+        if unknown:
+            raise ValueError(f"--tasks: unknown {benchmark} tasks {unknown} (choose from {', '.join(task.subtasks)})")
+    return tasks
+
+
+def _depths(text: str | None) -> list[float] | None:
+    """``--depths`` as percentages in 0..100 (None when not given)."""
+    if not text:
+        return None
+    try:
+        depths = [float(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise ValueError(f"--depths: {text!r} is not a comma list of numbers") from None
+    if not depths or any(not 0 <= d <= 100 for d in depths):
+        raise ValueError(f"--depths: {text!r} must be percentages in 0..100")
+    return depths
+
+
+def _protocols(text: str | None, benchmark: str) -> list[str] | None:
+    """``--protocols`` (niah only), each one of `PROTOCOLS` (None when not given)."""
+    if not text:
+        return None
+    protocols = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if unknown or not protocols:
+        raise ValueError(f"--protocols: unknown {unknown} (choose from {', '.join(PROTOCOLS)})")
+    if benchmark != "niah":
+        raise ValueError("--protocols applies to 'niah' only")
+    return protocols

@@ -37,8 +37,8 @@ from caote.evaluation.reference import FULL, UNBOUNDED
 from caote.future import FutureAttention
 from caote.layer import EvictionLayer
 from caote.policies import hindsight_policies, parse_policy
-from caote.scoring import group_query_heads
 from caote.settings import CacheSettings
+from caote.value_aware import group_query_heads
 
 # evaluation follows the paper: every decoded token evicts one (the rows do not depend on the library's default)
 EVAL_DECODE_EVICTION_INTERVAL = 1
@@ -185,7 +185,7 @@ def skippable_blocks(policy: str, budget: int | None, block_size: int, tokens: i
     first = budget // block_size  # block k is the first to overflow the budget when (k + 1) * block_size > budget
     if first >= blocks:
         return blocks
-    if base.history is not None and base.history.carries_over(min(block_size, tokens - first * block_size)):
+    if base.memory is not None and base.memory.carries_over(min(block_size, tokens - first * block_size)):
         return 0
     return first
 

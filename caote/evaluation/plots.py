@@ -8,6 +8,7 @@ from pathlib import Path
 
 from caote.evaluation.reference import FULL
 from caote.evaluation.tables import policy_order
+from caote.policies import parse_policy
 
 
 def _pyplot():
@@ -103,8 +104,7 @@ def _budgets_of(records: list[dict]) -> list[int]:
 
 def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -> None:
     budgets = _budgets_of(records)
-    styles = {"": "-", "+caote": "--", "+fastcaote": ":"}
-    markers = {"": "o", "+caote": "s", "+fastcaote": "^"}
+    markers = {"none": "o", "caote": "s", "fastcaote": "^"}
     colours = {
         "streamingllm": "tab:gray",
         "h2o": "tab:blue",
@@ -127,26 +127,25 @@ def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -
             continue
         if not chosen:
             continue
-        base, plus, transform = policy.partition("+")
-        variant, _, gqa = (plus + transform).partition("/")
+        parsed = parse_policy(policy)
         x = [r["budget"] * _dodge(drawn.index(policy), len(drawn)) for r in chosen]
         y = [r["mean"] for r in chosen]
         error = [
             [max(0.0, r["mean"] - r["ci_low"]) for r in chosen],
             [max(0.0, r["ci_high"] - r["mean"]) for r in chosen],
         ]
-        oracle = base == "oracle"
+        oracle = parsed.base.hindsight
         axis.errorbar(
             x,
             y,
             yerr=error,
             label="oracle (hindsight ceiling)" if oracle else policy,
-            color=colours.get(base),
+            color=colours.get(parsed.base_name),
             capsize=2,
-            marker="*" if oracle else markers.get(variant, "o"),
+            marker="*" if oracle else markers[parsed.transform],
             markersize=7 if oracle else 4,
-            linestyle="--" if oracle else "-." if gqa else styles.get(variant, "-"),
-            linewidth=2.2 if base.startswith("caote-") or base == "learned" else 1.2,
+            linestyle="--" if oracle else _linestyle(parsed),
+            linewidth=2.2 if parsed.base.about.paper_base else 1.2,  # ours, beyond the paper
             alpha=0.85,
         )
     axis.set_xscale("log", base=2)
@@ -154,6 +153,12 @@ def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -
     axis.set_xlabel("KV budget (tokens per layer)")
     axis.set_ylabel(ylabel)
     axis.set_title(title, fontsize=10)
+
+
+def _linestyle(policy) -> str:
+    """A policy's line: solid when plain, dashed / dotted with CAOTE / FastCAOTE, dash-dotted with its own GQA
+    aggregation (an ablation)."""
+    return "-." if policy.gqa else {"none": "-", "caote": "--", "fastcaote": ":"}[policy.transform]
 
 
 def _dodge(index: int, count: int, spread: float = 0.18) -> float:
@@ -185,13 +190,7 @@ def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | No
     for policy in policy_order({r["policy"] for r in chosen}):
         layers = [r["fidelity_layers"] for r in chosen if r["policy"] == policy]
         mean = [sum(values) / len(values) for values in zip(*layers)]
-        base, plus, transform = policy.partition("+")
-        axis.plot(
-            range(len(mean)),
-            mean,
-            label=policy,
-            linestyle="-." if "/" in transform else {"": "-", "+caote": "--", "+fastcaote": ":"}[plus + transform],
-        )
+        axis.plot(range(len(mean)), mean, label=policy, linestyle=_linestyle(parse_policy(policy)))
     axis.set_xlabel("layer")
     axis.set_ylabel("||O_policy − O_full|| / ||O_full||")
     axis.set_title(f"Attention-output relative error per layer, b={budget}", fontsize=10)

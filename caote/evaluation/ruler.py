@@ -14,9 +14,10 @@ Five task families, each sized with the tokenizer so that the whole prompt (chat
 Templates and answer prefixes follow RULER's ``template.py``/``constants.py`` wording (the leading space of RULER's
 prefixes is dropped because the prefix follows the opened assistant turn); RULER's in-context example for vt and
 cwe is left out to keep short contexts for the task itself. Keys are adjective-noun pairs, values 7-digit numbers
-(RULER's "words"/"numbers" types). The filler is ``"repeat"`` (RULER's noise haystack, niah_single_1) or
-``"essays"`` (Paul Graham essays, niah_single_2). Every task is scored with ``string_match_all`` (the fraction of
-answers found in the prediction, RULER's metric for these tasks). Deterministic given ``seed``.
+(RULER's "words"/"numbers" types), drawn with the chains and word lists in `caote.evaluation.ruler_content`. The
+filler is ``"repeat"`` (RULER's noise haystack, niah_single_1) or ``"essays"`` (Paul Graham essays,
+niah_single_2). Every task is scored with ``string_match_all`` (the fraction of answers found in the prediction,
+RULER's metric for these tasks). Deterministic given ``seed``.
 """
 
 from __future__ import annotations
@@ -27,94 +28,17 @@ from collections.abc import Callable, Sequence
 
 from caote.evaluation.data import essay_words, haystack, insert_sentences, prompt_token_count, split_sentences
 from caote.evaluation.examples import Example
+from caote.evaluation.ruler_content import (
+    assignment_chains,
+    distinct_keys,
+    distinct_numbers,
+    interleave,
+    numbered,
+    word_list,
+)
 from caote.evaluation.tasks import MetricSpec, Task, joined
 
 METRIC = "string_match_all"
-ADJECTIVES = (
-    "wry",
-    "calm",
-    "bold",
-    "brave",
-    "bright",
-    "shy",
-    "quiet",
-    "eager",
-    "fancy",
-    "gentle",
-    "grumpy",
-    "happy",
-    "jolly",
-    "kind",
-    "lively",
-    "proud",
-    "silly",
-    "witty",
-    "zealous",
-    "ancient",
-    "bitter",
-    "brisk",
-    "clumsy",
-    "dusty",
-    "fierce",
-    "frosty",
-    "golden",
-    "hollow",
-    "icy",
-    "misty",
-    "noisy",
-    "polite",
-    "rapid",
-    "rusty",
-    "sleepy",
-    "smooth",
-    "stormy",
-    "tender",
-    "vivid",
-    "wooden",
-)
-NOUNS = (
-    "sunlight",
-    "river",
-    "mountain",
-    "garden",
-    "lantern",
-    "harbor",
-    "meadow",
-    "window",
-    "forest",
-    "canyon",
-    "pillow",
-    "rocket",
-    "castle",
-    "island",
-    "kitten",
-    "ladder",
-    "mirror",
-    "needle",
-    "orchard",
-    "pepper",
-    "quarry",
-    "saddle",
-    "teapot",
-    "umbrella",
-    "valley",
-    "wagon",
-    "anchor",
-    "basket",
-    "candle",
-    "dolphin",
-    "engine",
-    "feather",
-    "glacier",
-    "hammer",
-    "jacket",
-    "kettle",
-    "lemon",
-    "marble",
-    "nugget",
-    "oyster",
-)
-
 NIAH_TEMPLATE = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
     "I will quiz you about the numbers afterwards.\n{context}\n"
@@ -146,27 +70,6 @@ def _rng(task: str, seed: int, context_length: int, index: int) -> random.Random
 
 def _user(text: str) -> tuple[dict, ...]:
     return (dict(role="user", content=text),)
-
-
-def distinct_keys(rng: random.Random, count: int) -> list[str]:
-    """``count`` different adjective-noun keys such as ``"wry-sunlight"``."""
-    pairs = rng.sample([(a, n) for a in ADJECTIVES for n in NOUNS], count)
-    return [f"{adjective}-{noun}" for adjective, noun in pairs]
-
-
-def distinct_numbers(rng: random.Random, count: int, digits: int = 7) -> list[str]:
-    """``count`` different ``digits``-digit numbers as strings."""
-    return [str(number) for number in rng.sample(range(10 ** (digits - 1), 10**digits), count)]
-
-
-def variable_names(rng: random.Random, count: int) -> list[str]:
-    """``count`` different names of five uppercase letters (RULER's variable names)."""
-    names: list[str] = []
-    while len(names) < count:
-        name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
-        if name not in names:
-            names.append(name)
-    return names
 
 
 def _filled(
@@ -287,32 +190,6 @@ def niah_multivalue(
     ]
 
 
-def assignment_chains(
-    rng: random.Random, num_chains: int, num_hops: int
-) -> tuple[list[list[str]], list[str], list[str]]:
-    """``num_chains`` chains of ``num_hops + 1`` variables: statements per chain, the chains' values, and the names
-    of the first chain. Chain ``c`` reads ``VAR A = v_c. VAR B = A. ...`` (each hop copies the previous name)."""
-    names = variable_names(rng, num_chains * (num_hops + 1))
-    values = distinct_numbers(rng, num_chains, digits=5)
-    chains = []
-    for c in range(num_chains):
-        chain_names = names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)]
-        statements = [f"VAR {chain_names[0]} = {values[c]}."]
-        statements += [f"VAR {chain_names[h]} = {chain_names[h - 1]}." for h in range(1, num_hops + 1)]
-        chains.append(statements)
-    return chains, values, names[: num_hops + 1]
-
-
-def _interleave(rng: random.Random, chains: list[list[str]]) -> list[str]:
-    """Merge chains into one statement list in a random interleaving that keeps each chain's own order."""
-    pending = [list(chain) for chain in chains]
-    merged: list[str] = []
-    while any(pending):
-        chain = rng.choice([c for c in pending if c])
-        merged.append(chain.pop(0))
-    return merged
-
-
 def variable_tracking(
     tokenizer,
     context_length: int,
@@ -329,7 +206,7 @@ def variable_tracking(
     for index in range(samples):
         rng = _rng("variable_tracking", seed, context_length, index)
         chains, values, answers = assignment_chains(rng, num_chains, num_hops)
-        statements = _interleave(rng, chains)
+        statements = interleave(rng, chains)
         query = values[0]
 
         def render(context, query=query):
@@ -359,21 +236,6 @@ def variable_tracking(
             )
         )
     return examples
-
-
-def word_list(
-    rng: random.Random, common: Sequence[str], uncommon: Sequence[str], common_freq: int, uncommon_freq: int
-) -> list[str]:
-    """Each common word ``common_freq`` times and each uncommon word ``uncommon_freq`` times, shuffled."""
-    words = [word for word in common for _ in range(common_freq)]
-    words += [word for word in uncommon for _ in range(uncommon_freq)]
-    rng.shuffle(words)
-    return words
-
-
-def numbered(words: Sequence[str]) -> str:
-    """RULER's list format: ``"1. apple 2. pear ..."``."""
-    return " ".join(f"{i}. {word}" for i, word in enumerate(words, start=1))
 
 
 def default_common_freq(context_length: int, uncommon_freq: int = 3) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 from caote.evaluation.reference import FULL
 from caote.evaluation.stats import Estimate, estimate, paired_difference
 from caote.evaluation.tasks import MetricSpec
-from caote.policies import expand_policies
+from caote.policies import expand_policies, parse_policy, policy_name
 
 
 def policy_order(policies) -> list[str]:
@@ -83,7 +83,8 @@ def block_values_by_cell(rows: list[dict], field: str) -> dict[tuple[str, int | 
 
 def variants() -> list[tuple[str, str]]:
     """``(base, transform)`` of every value-aware variant in the paper's policy group, in group order."""
-    return [tuple(name.split("+")) for name in expand_policies("paper") if "+" in name]
+    paper = [parse_policy(name) for name in expand_policies("paper")]
+    return [(policy.base_name, policy.transform) for policy in paper if policy.value_aware]
 
 
 def verdict(est: Estimate, higher_is_better: bool) -> str:
@@ -111,7 +112,7 @@ def comparison_records(
     records = []
     for base, transform in variants():
         for budget in budgets:
-            plain, treated = cells.get((base, budget)), cells.get((f"{base}+{transform}", budget))
+            plain, treated = cells.get((base, budget)), cells.get((policy_name(base, transform), budget))
             if not plain or not treated:
                 continue
             est = paired_difference(treated, plain)
@@ -155,7 +156,7 @@ def best_base_records(rows: list[dict], metric: MetricSpec, benchmark: str, task
         def mean(policy):
             return sum(at[policy].values()) / len(at[policy])
 
-        bases = [p for p in paper if "+" not in p and p in at]
+        bases = [p for p in paper if not parse_policy(p).value_aware and p in at]
         papers = [p for p in paper if p in at]
         if not bases:
             continue
