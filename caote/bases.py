@@ -34,7 +34,7 @@ class ScoreInputs:
     ahead_rows: torch.Tensor | None = None  # (B, H_q, k, N) attention of k drafted queries (look-ahead bases)
     new_tokens: int = 0  # how many of the tokens arrived in this forward (a prompt block's, or 1 when decoding)
     predictor: object | None = None  # the layer's `caote.learned.LayerPredictor` (the ``learned`` base)
-    kept: torch.Tensor | None = None  # (B, H_kv, N) bool, the tokens that stay whatever their score (`protected`)
+    protected: torch.Tensor | None = None  # (B, H_kv, N) bool, the tokens that stay whatever their score
     # (B, H_kv, g, d) the attention output of a decode step that attended once (`caote.attention.decode_attention`)
     output: torch.Tensor | None = None
     # (B, H_kv, N) float32 ``||v_j||`` of the values, kept per slot by a layer decoding in place (its bounds read them)

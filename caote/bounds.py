@@ -27,14 +27,14 @@ bound the aggregated error from below (above). What the direct path's own roundi
 head_dim, the formula, the aggregation: under 100 u) and the bounds' arithmetic adds is covered many times over
 by widening both aggregated bounds by the relative `BOUND_MARGIN`.
 
-*The certificate.* Let ``t`` be the ``count``-th lowest upper bound among the tokens not kept. At least ``count``
+*The certificate.* Let ``t`` be the ``count``-th lowest upper bound among the tokens not protected. At least ``count``
 tokens have an exact error ``<= t``; a token whose lower bound exceeds ``t`` has an exact error above theirs and
 cannot be evicted: its entry is that lower bound. Every other token (``lower <= t``, ties included) is a candidate
 and gets the direct path's exact arithmetic: `torch.cdist` in its direct mode pair by pair, the same formula, and
 `aggregate_groups` over a tensor of the direct path's shape (the order of a reduction's additions depends on the
 layout). The ``count`` lowest entries, ties included, are therefore the direct path's.
 
-*The heavy token.* A heavy token (``w > 1/2``, not kept) has the stable form as its error,
+*The heavy token.* A heavy token (``w > 1/2``, not protected) has the stable form as its error,
 ``w ||Y - v||`` with ``Y`` the other tokens' weighted mean (`caote.value_aware.heavy_token_errors`), not
 ``f(w) ||x - v||``: its upper bound certifies nothing (``+inf``). For its lower bound, with the row's sum
 ``S = sum_i w_i`` (1 up to rounding), ``Y - v = (X - S v) / (S - w)``, so ``w ||Y - v|| = w ||X - S v|| / (S - w)``
@@ -48,7 +48,7 @@ computed.
 
 *When the direct path runs instead.* Another dtype than float32 or another device than the CPU (an accelerator
 would wait for the read-back of the candidates), fewer than `BOUNDED_FROM` (row, token) pairs, a non-finite norm
-or bound, fewer than ``count`` tokens not kept, or more than `MOST_CANDIDATES` of the pairs candidates.
+or bound, fewer than ``count`` tokens not protected, or more than `MOST_CANDIDATES` of the pairs candidates.
 """
 
 from __future__ import annotations
@@ -76,18 +76,18 @@ def lowest_errors(
     output: torch.Tensor,
     weights: torch.Tensor,
     values: torch.Tensor,
-    kept: torch.Tensor,
+    protected: torch.Tensor,
     count: int,
     how: str,
     weighted: bool,
     value_norms: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Aggregated CAOTE / FastCAOTE errors ``(B, H_kv, N)`` for a caller that evicts the ``count`` lowest tokens not
-    ``kept``, computed directly only for the tokens that can be among them (the module's argument); the others get
+    ``protected``, computed directly only for the tokens that can be among them (the module's argument); the others get
     a lower bound of their error above the ``count`` evicted ones. None where the direct path must run instead.
 
     ``output`` ``(B, H_kv, g or 1, d)`` (`caote_output` / `fast_caote_output`), ``weights`` ``(B, H_kv, g, N)`` float32
-    summing to 1, ``values`` ``(B, H_kv, 1, N, d)`` float32, ``kept`` ``(B, H_kv, 1, N)`` bool, ``how`` the GQA
+    summing to 1, ``values`` ``(B, H_kv, 1, N, d)`` float32, ``protected`` ``(B, H_kv, 1, N)`` bool, ``how`` the GQA
     aggregation, ``weighted``: ``output`` is the weighted output (CAOTE), ``value_norms`` ``(B, H_kv, 1, N)`` the
     values' norms where the caller keeps them (else computed here)."""
     if weights.dtype != torch.float32 or weights.device.type != "cpu":
@@ -106,7 +106,7 @@ def lowest_errors(
     nearest = (output_norms - value_norms).abs_().sub_(reach, alpha=rounding).clamp_min_(0.0)
     factor = eviction_weight(weights)
     upper, lower = factor * reach.mul_(1 + rounding), factor * nearest  # (B, H_kv, g, N), per query head
-    top_weight, heaviest, heavier = heavy_tokens(weights, kept)  # (B, H_kv, g, 1)
+    top_weight, heaviest, heavier = heavy_tokens(weights, protected)  # (B, H_kv, g, 1)
     heavy = bool(heavier.any())  # on the CPU the read-back is free
     if heavy:  # its stable form: bounded below (CAOTE's weighted output), its upper bound certifies nothing
         upper.scatter_(-1, heaviest, torch.where(heavier, math.inf, upper.gather(-1, heaviest)))
@@ -117,8 +117,8 @@ def lowest_errors(
     entries = lower  # per query head: the candidates' exact errors are written here and aggregated as direct
     upper = aggregate_groups(upper, how).mul_(1 + BOUND_MARGIN)
     lower = aggregate_groups(lower, how).mul_(1 - BOUND_MARGIN)
-    upper.masked_fill_(kept.squeeze(2), math.inf)
-    lower.masked_fill_(kept.squeeze(2), math.inf)
+    upper.masked_fill_(protected.squeeze(2), math.inf)
+    lower.masked_fill_(protected.squeeze(2), math.inf)
     threshold = upper.amin(-1, keepdim=True) if count == 1 else upper.kthvalue(count, dim=-1, keepdim=True).values
     if not torch.isfinite(threshold).all():  # fewer than ``count`` tokens to certify against
         return None

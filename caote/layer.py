@@ -6,9 +6,9 @@ It holds the retained keys and values, their absolute positions and what its pol
     attention probabilities -> base score -> value-aware transform -> GQA aggregation -> protect -> keep top-b -> gather
 
 (`caote.recording`: the rows; `evict`: the policy's selection, `caote.policies.Policy.tokens_to_keep` /
-``slots_to_free``; `keep`: the gather). When a layer is evicted is its policy's strategy (`caote.strategies`); a decode step's layers
-in place may be scored together as one stack (`caote.stacking`). The cache around it holds the hooks, the
-per-forward bookkeeping, the statistics and snapshots.
+``slots_to_free``; `keep`: the gather). When a layer is evicted is its policy's strategy (`caote.strategies`); a
+decode step's layers in place may be scored together as one stack (`caote.stacking`). The cache around it holds the
+hooks, the per-forward bookkeeping, the statistics and snapshots.
 
 Prompt blocks are appended and gathered in arrival order. Decode steps may write into fixed slots instead
 (`caote.slots.SlotBuffer`, the layer's ``slots`` while it decodes in place): then an eviction only marks slots free.
@@ -24,8 +24,9 @@ from transformers.cache_utils import DynamicLayer
 
 from caote.attention import SlotViews
 from caote.bases import ScoreInputs
+from caote.positions import PADDING, held
 from caote.settings import CacheSettings
-from caote.slots import PADDING, SlotBuffer, group_index, held, masked_slots_mask, protected, sinks_of
+from caote.slots import SlotBuffer, group_index, masked_slots_mask, protected, sinks_of
 
 
 def layer_bytes(layer) -> int:
@@ -220,7 +221,7 @@ class EvictionLayer(DynamicLayer):
             history=self.history,
             random=random,
             new_tokens=self.new_tokens,
-            kept=self.protected_slots(),
+            protected=self.protected_slots(),
             output=None if slots is None else slots.output,
             value_norms=None if slots is None else slots.norms(self.values, self.positions),
             **inputs,

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from caote.history import KEY_TERM, KEY_TERM_POSITION, PREDICTION, PREDICTION_POSITION, RECENT_START
+from caote.positions import held
 from caote.value_aware import aggregate_groups, caote_errors, group_query_heads, group_size, normalise_weights
 
 FEATURE_SET = "caote-learned-1"  # bump when the features below change: a predictor of another set is refused
@@ -335,8 +336,8 @@ class Predictor:
         return LayerPredictor(self.weights[index], self.groups, unrotate, sink_tokens)
 
     def stacked(self, layers: list[int], batch: int, unrotate: Callable | None, sink_tokens: int) -> LayerPredictor:
-        """The predictor of a stack of ``layers``' batch rows (``batch`` each, in order: `caote.layer.evict_together`):
-        weights ``(len(layers) * batch, H_kv, F)``, each row its layer's."""
+        """The predictor of a stack of ``layers``' batch rows (``batch`` each, in order: `caote.stacking`): weights
+        ``(len(layers) * batch, H_kv, F)``, each row its layer's."""
         weights = self.weights[torch.tensor(layers)].repeat_interleave(batch, dim=0)
         return LayerPredictor(weights, self.groups, unrotate, sink_tokens)
 
@@ -382,14 +383,14 @@ class LayerPredictor:
         return slice(start, start + 2 * head_dim)
 
     def remember_keys(self, layer) -> None:
-        """Write the key term of every real token of ``layer`` (or of a stack of layers, `caote.layer.evict_together`)
-        that lacks one (new since the last eviction) into its history (`caote.history.SumAndRecent`: rows
+        """Write the key term of every real token of ``layer`` (or of a stack of layers, `caote.stacking`) that lacks
+        one (new since the last eviction) into its history (`caote.history.SumAndRecent`: rows
         ``KEY_TERM`` and ``KEY_TERM_POSITION``)."""
         if "key" not in self.groups:
             return
         history, positions = layer.history, layer.positions
         group = group_size(history.shape[1], positions.shape[1])
-        missing = ~marked(history, KEY_TERM_POSITION, positions) & (positions >= 0)
+        missing = ~marked(history, KEY_TERM_POSITION, positions) & held(positions)
         least, most = torch.stack(torch.aminmax(missing.sum(-1))).tolist()  # one read back
         if most == 0:
             return
@@ -399,13 +400,13 @@ class LayerPredictor:
             slots = missing.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :most]
         else:
             slots = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
-        held = positions.gather(2, slots)
+        chosen = positions.gather(2, slots)
         keys = layer.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]))
-        key = self.unrotate(keys.float(), held.clamp_min(0))
+        key = self.unrotate(keys.float(), chosen.clamp_min(0))
         term = linear_map(torch.cat([key, key.square()], dim=-1), self.weights[..., self._key_columns(key.shape[-1])])
         index = slots.repeat_interleave(group, dim=1)
         history[:, :, KEY_TERM].scatter_(-1, index, term.repeat_interleave(group, dim=1).to(history.dtype))
-        remembered = (held + 1).repeat_interleave(group, dim=1).to(history.dtype)
+        remembered = (chosen + 1).repeat_interleave(group, dim=1).to(history.dtype)
         history[:, :, KEY_TERM_POSITION].scatter_(-1, index, remembered)
 
     def predict(self, inputs) -> torch.Tensor:
@@ -414,11 +415,11 @@ class LayerPredictor:
         last prediction, ``-inf`` for the tokens not yet predicted (all of them protected)."""
         history = inputs.history
         group = group_size(history.shape[1], inputs.positions.shape[1])
-        if inputs.new_tokens == 1 and PREDICTION_REFRESH > 1 and inputs.kept is not None:
+        if inputs.new_tokens == 1 and PREDICTION_REFRESH > 1 and inputs.protected is not None:
             predicted = marked(history, PREDICTION_POSITION, inputs.positions)
-            waiting = ~predicted & (inputs.positions >= 0)
+            waiting = ~predicted & held(inputs.positions)
             newest = inputs.positions.amax(-1, keepdim=True)
-            overdue = ~inputs.kept | (inputs.positions <= newest - PREDICTION_REFRESH + 1)
+            overdue = ~inputs.protected | (inputs.positions <= newest - PREDICTION_REFRESH + 1)
             if not bool((waiting & overdue).any()):
                 return history[:, ::group, PREDICTION].float().masked_fill(~predicted, -math.inf)
         fresh = self.fresh(inputs)

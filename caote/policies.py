@@ -19,7 +19,8 @@ import torch
 from caote import bounds, value_aware
 from caote.bases import BASE_SCORES, BaseScore, ScoreInputs
 from caote.defaults import PAPER_GROUP
-from caote.slots import group_index, held
+from caote.positions import held
+from caote.slots import group_index
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class Policy:
 
         Padding gets ``-inf`` before anything else, so it has no weight, no part in a mean or minimum and no vote.
         ``fused``: the transform in one compiled kernel (`caote.value_aware.compiled`). ``lowest``: the caller evicts
-        that many of the lowest-scored tokens not ``inputs.kept`` (a decode step); a value-aware transform then
+        that many of the lowest-scored tokens not ``inputs.protected`` (a decode step); a value-aware transform then
         scores directly only the tokens that can be among them, the others getting a lower bound of their score
         (`caote.bounds.lowest_errors`; the same tokens go)."""
         base = self.base.score(inputs)
@@ -105,19 +106,21 @@ class Policy:
                 weights = value_aware.normalise_weights(
                     grouped, signed=self.base.signed, padded=real is not None, positive=self.base.per_query_head
                 )
-            kept = None if inputs.kept is None or self.base.layer_wide else inputs.kept.unsqueeze(2)
+            protected = None if inputs.protected is None or self.base.layer_wide else inputs.protected.unsqueeze(2)
             values = inputs.values.unsqueeze(2)
-            if lowest is not None and kept is not None and real is None and not fused:
+            if lowest is not None and protected is not None and real is None and not fused:
                 values = values.to(weights.dtype)
                 if self.reads_output and inputs.output is not None:
                     output = inputs.output.to(weights.dtype)  # the step's own: the same bmm, done once
                 else:
                     output = transform.output(weights, values, real)
                 norms = None if inputs.value_norms is None else inputs.value_norms.unsqueeze(2)
-                bounded = bounds.lowest_errors(output, weights, values, kept, lowest, how, transform.weighted, norms)
+                bounded = bounds.lowest_errors(
+                    output, weights, values, protected, lowest, how, transform.weighted, norms
+                )
                 if bounded is not None:
                     return bounded
-            grouped = transform.errors(weights, values, real, kept, fused=fused)
+            grouped = transform.errors(weights, values, real, protected, fused=fused)
         scores = value_aware.aggregate_groups(grouped, how)
         if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group
             scores = value_aware.aggregate_groups(scores.unsqueeze(1), how).expand_as(scores)
@@ -154,9 +157,9 @@ class Policy:
 
 
 def protect(scores: torch.Tensor, inputs: ScoreInputs) -> torch.Tensor:
-    """The protected tokens (``inputs.kept``: sinks, recent window) always stay; padding always goes first (which
+    """The protected tokens (``inputs.protected``: sinks, recent window) always stay; padding always goes first (which
     keeps the slots that the 2D padding mask marks as padding exactly the retained padding slots)."""
-    scores = scores.masked_fill(inputs.kept, float("inf"))
+    scores = scores.masked_fill(inputs.protected, float("inf"))
     return scores if inputs.real is None else scores.masked_fill(~inputs.real, float("-inf"))
 
 
@@ -187,7 +190,7 @@ def in_position_order(inputs: ScoreInputs, order: torch.Tensor) -> ScoreInputs:
         positions=positions,
         real=None if inputs.real is None else held(positions),
         history=None if history is None else history.gather(-1, group_index(order, history)),
-        kept=by_order(inputs.kept),
+        protected=by_order(inputs.protected),
         value_norms=by_order(inputs.value_norms),
     )
 

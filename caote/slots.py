@@ -1,4 +1,4 @@
-"""`SlotBuffer`: the fixed slots of a layer decoding in place, and the position sentinels every layer uses.
+"""`SlotBuffer`: the fixed slots of a layer decoding in place.
 
 At the first one-token forward that will evict, an `caote.layer.EvictionLayer` packs its ``budget`` tokens into
 buffers of ``budget + 1`` slots, allocated once (`SlotBuffer.pack`); from then on each decoded token's key, value and
@@ -19,17 +19,8 @@ import copy
 import torch
 
 from caote.attention import SlotViews
+from caote.positions import FREE, UNSEEN, held
 from caote.value_aware import group_size
-
-# position sentinels: a slot's position is the token's absolute position (>= 0), or one of these
-PADDING = -1  # left padding, or a token its row of a padded batch no longer holds (masked, `EvictionLayer.keep`)
-FREE = -2  # a slot decoding in place that holds no token
-UNSEEN = -3  # `SlotBuffer.normed`: no norm taken for the slot yet
-
-
-def held(positions: torch.Tensor) -> torch.Tensor:
-    """Which slots hold a real token (neither padding nor free)."""
-    return positions >= 0
 
 
 def group_index(slots: torch.Tensor, history: torch.Tensor) -> torch.Tensor:

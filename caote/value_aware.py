@@ -69,14 +69,14 @@ def eviction_error(
     weights: torch.Tensor,
     values: torch.Tensor,
     output: torch.Tensor | None = None,
-    kept: torch.Tensor | None = None,
+    protected: torch.Tensor | None = None,
     fused: bool = False,
 ) -> torch.Tensor:
     """``w_j / (1 - w_j) * ||output - v_j||_2`` for every token j, exact for every weight.
 
     ``weights`` ``(..., N)`` sum to 1; ``values`` ``(..., N, d)`` broadcast against them; ``output`` ``(..., d)``
     (None: the weighted output ``sum_i w_i v_i``). The formula is well conditioned as written for ``w_j <= 1/2``; a
-    heavy token gets the stable form (`stabilise_heavy_tokens`), unless ``kept`` ``(..., N)`` (bool, broadcast
+    heavy token gets the stable form (`stabilise_heavy_tokens`), unless ``protected`` ``(..., N)`` (bool, broadcast
     against the weights) marks it as a token the cache keeps whatever its score (a sink, the recent window): its
     entry is then finite but not its exact error, which nothing reads. ``fused``: the output, the distances and the
     formula in one compiled kernel (`compiled`)."""
@@ -92,9 +92,9 @@ def eviction_error(
         if not may_hold_heavy_token(weights):  # every w_j <= 1/2: the formula as written, no clamp needed
             return eviction_weight(weights, clamp=False) * distance
         error = eviction_weight(weights) * distance
-    if (fused or kept is not None) and not may_hold_heavy_token(weights, kept):  # no heavy token, or all kept
+    if (fused or protected is not None) and not may_hold_heavy_token(weights, protected):  # no heavy token, or all kept
         return error
-    return stabilise_heavy_tokens(error, weights, values, kept)
+    return stabilise_heavy_tokens(error, weights, values, protected)
 
 
 def fused_eviction_error(weights: torch.Tensor, values: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -134,25 +134,26 @@ def distances(output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return distance if rows is output else distance.squeeze(-2)
 
 
-def may_hold_heavy_token(weights: torch.Tensor, kept: torch.Tensor | None = None) -> bool:
-    """Whether a row of ``weights`` may hold a heavy token (more than half its weight) that ``kept`` (bool, broadcast
-    against the weights) does not mark. On the CPU, where reading a number back costs nothing, the answer is exact,
-    so the ~30 operators of the stable form are skipped on most decode steps (and on the steps of H2O's sums, whose
-    heavy token is a protected sink); on an accelerator it is always yes, so that nothing waits for the device."""
+def may_hold_heavy_token(weights: torch.Tensor, protected: torch.Tensor | None = None) -> bool:
+    """Whether a row of ``weights`` may hold a heavy token (more than half its weight) that ``protected`` (bool,
+    broadcast against the weights) does not mark. On the CPU, where reading a number back costs nothing, the answer
+    is exact, so the ~30 operators of the stable form are skipped on most decode steps (and on the steps of H2O's
+    sums, whose heavy token is a protected sink); on an accelerator it is always yes, so that nothing waits for the
+    device."""
     if weights.device.type != "cpu" or weights.numel() == 0:
         return True
-    if kept is None:
+    if protected is None:
         return weights.max().item() > 0.5
-    return ((weights > 0.5) & ~kept).any().item()
+    return ((weights > 0.5) & ~protected).any().item()
 
 
-def heavy_tokens(weights: torch.Tensor, kept: torch.Tensor | None = None) -> tuple:
+def heavy_tokens(weights: torch.Tensor, protected: torch.Tensor | None = None) -> tuple:
     """Each row's heaviest token, ``(..., 1)`` each: its weight, its index, and whether it is a heavy token (more
-    than half the row) that ``kept`` (bool, broadcast against the weights) does not mark."""
+    than half the row) that ``protected`` (bool, broadcast against the weights) does not mark."""
     top_weight, heaviest = weights.max(-1, keepdim=True)
     heavy = top_weight > 0.5
-    if kept is not None:
-        heavy &= ~kept.expand_as(weights).gather(-1, heaviest)
+    if protected is not None:
+        heavy &= ~protected.expand_as(weights).gather(-1, heaviest)
     return top_weight, heaviest, heavy
 
 
@@ -184,12 +185,12 @@ def heavy_token_errors(
 
 
 def stabilise_heavy_tokens(
-    error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, kept: torch.Tensor | None = None
+    error: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, protected: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``error`` ``(..., N)`` with each heavy token's entry replaced by its stable form (`heavy_token_errors`); a heavy
-    token ``kept`` marks keeps its entry as given. ``values`` ``(..., N, d)`` with as many axes as ``weights`` plus
+    token ``protected`` marks keeps its entry as given. ``values`` ``(..., N, d)`` with as many axes as ``weights`` plus
     one (size-1 axes broadcast). Callers skip it when `may_hold_heavy_token` says no row has one."""
-    top_weight, heaviest, heavy = heavy_tokens(weights, kept)
+    top_weight, heaviest, heavy = heavy_tokens(weights, protected)
     stable = heavy_token_errors(weights, values, top_weight, heaviest, heavy)
     return error.scatter(-1, heaviest, torch.where(heavy, stable, error.gather(-1, heaviest)))
 
@@ -217,7 +218,7 @@ def caote_errors(
     weights: torch.Tensor,
     values: torch.Tensor,
     real: torch.Tensor | None = None,
-    kept: torch.Tensor | None = None,
+    protected: torch.Tensor | None = None,
     fused: bool = False,
 ) -> torch.Tensor:
     """CAOTE eviction error of every token (Goel et al., arXiv 2504.14051, Thm. 3.2), from a distribution.
@@ -226,31 +227,31 @@ def caote_errors(
     alone is evicted and the softmax renormalised. ``weights`` ``(..., N)`` already sum to 1 (`normalise_weights`:
     float32, or float64; padding has weight 0); ``values`` ``(..., N, d)`` broadcast against them (GQA: weights
     ``(B, H_kv, g, N)``, values ``(B, H_kv, 1, N, d)``). ``real`` is accepted for the same signature as
-    `fast_caote_errors`; ``kept`` marks tokens whose own error nothing reads (`eviction_error`); ``fused``
+    `fast_caote_errors`; ``protected`` marks tokens whose own error nothing reads (`eviction_error`); ``fused``
     computes the weighted output, the distances and the formula in one compiled kernel (`compiled`). Never NaN.
     `Policy.scores` calls this after its one normalisation.
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
-    return eviction_error(weights, values, None, kept, fused)
+    return eviction_error(weights, values, None, protected, fused)
 
 
 def fast_caote_errors(
     weights: torch.Tensor,
     values: torch.Tensor,
     real: torch.Tensor | None = None,
-    kept: torch.Tensor | None = None,
+    protected: torch.Tensor | None = None,
     fused: bool = False,
 ) -> torch.Tensor:
     """FastCAOTE (arXiv 2504.14051, §3): CAOTE with the plain mean of the values in place of ``sum_i w_i v_i``.
 
     ``c_j = w_j / (1 - w_j) * || mean_i v_i - v_j ||_2``; weights and values as in `caote_errors`. ``real``
     ``(..., N)`` (broadcast like the weights' leading axes) marks the tokens that are not padding: the mean is over
-    those only; ``kept`` and ``fused`` as in `caote_errors`.
+    those only; ``protected`` and ``fused`` as in `caote_errors`.
     """
     weights = weights.to(compute_dtype(weights))
     values = values.to(weights.dtype)
-    return eviction_error(weights, values, masked_mean(values, real), kept, fused)
+    return eviction_error(weights, values, masked_mean(values, real), protected, fused)
 
 
 def caote_output(weights: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:

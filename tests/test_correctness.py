@@ -5,7 +5,7 @@ import torch
 from conftest import greedy, random_ids, tiny_model
 
 import caote.bases
-import caote.layer
+import caote.recording
 from caote import EvictionCache, policy_names
 from caote.history import RecentRows
 from caote.policies import parse_policy
@@ -232,13 +232,13 @@ def test_the_peak_is_tracked_with_a_running_total_not_a_sum_over_layers_per_call
 def test_attention_rows_are_computed_only_when_the_policy_will_read_them(monkeypatch, policy, window):
     model = tiny_model("llama")
     computed = []
-    original = caote.layer.attention_probabilities
+    original = caote.recording.attention_probabilities
 
     def counting(module, queries, keys, *args):
         computed.append((queries.shape[-2], keys.shape[-2]))
         return original(module, queries, keys, *args)
 
-    monkeypatch.setattr(caote.layer, "attention_probabilities", counting)
+    monkeypatch.setattr(caote.recording, "attention_probabilities", counting)
     budget = 200
     cache = EvictionCache(model, budget=budget, policy=policy, block_size=BLOCK)
     greedy(model, random_ids(100, seed=17), cache, new_tokens=40)  # 139 tokens at most: never near the budget

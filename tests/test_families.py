@@ -144,7 +144,7 @@ def test_a_scored_decode_step_attends_once_with_the_family_s_own_numbers(family,
     """A decode step in place computes each evicting layer's attention once (`decode_attention`: no model kernel,
     no second pass for the row), and it equals the family's eager attention over the slots, output and row."""
     import caote.attention
-    import caote.layer
+    import caote.recording
 
     fused, second_passes = [], []
     own = caote.attention.decode_attention
@@ -170,7 +170,7 @@ def test_a_scored_decode_step_attends_once_with_the_family_s_own_numbers(family,
     with cache, torch.no_grad():
         out = prompt_then_step(model, cache, ids, BLOCK)
         monkeypatch.setattr(caote.attention, "decode_attention", checked)
-        monkeypatch.setattr(caote.layer, "attention_probabilities", counted)
+        monkeypatch.setattr(caote.recording, "attention_probabilities", counted)
         for _ in range(3):
             out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
     evicting = [index for index, layer in enumerate(cache.layers) if isinstance(layer, EvictionLayer)]

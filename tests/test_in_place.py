@@ -12,7 +12,8 @@ from conftest import needs_compiler, prompt_then_step, random_ids, tiny_model
 from caote.cache import EvictionCache
 from caote.layer import EvictionLayer
 from caote.policies import Policy, policy_names
-from caote.slots import FREE, SlotBuffer
+from caote.positions import FREE
+from caote.slots import SlotBuffer
 from caote.stacking import evict_together, stack
 from caote.strategies import Immediate
 

@@ -410,7 +410,7 @@ def test_decode_steps_reuse_predictions_until_a_token_is_due(llama, recent_windo
             steps.append(False)
         predicted = real_predict(self, inputs)
         if inputs.new_tokens == 1:
-            evictable = ~inputs.kept & (inputs.positions >= 0)
+            evictable = ~inputs.protected & (inputs.positions >= 0)
             assert torch.isfinite(predicted[evictable]).all()  # no token that can go lacks a prediction
             if steps[-1]:
                 last.update(positions=inputs.positions.clone(), predicted=predicted.clone())

@@ -47,9 +47,9 @@ def test_oracle_keeps_the_tokens_with_the_most_future_attention(model64, monkeyp
     evictions = []
     real_keep = EvictionLayer.keep
 
-    def recording_keep(layer, indices):
+    def recording_keep(layer, indices, masked=None):
         evictions.append((layer, layer.cumulative_length, layer.positions.clone(), indices.clone()))
-        real_keep(layer, indices)
+        real_keep(layer, indices, masked)
 
     monkeypatch.setattr(EvictionLayer, "keep", recording_keep)
     cache = EvictionCache(model64, budget=BUDGET, policy="oracle", block_size=BLOCK, future=reference.future)

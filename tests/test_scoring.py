@@ -104,7 +104,7 @@ def test_an_attention_row_is_read_as_the_distribution_it_is_and_its_output_as_th
     seen = []
     lowest = bounds.lowest_errors
     monkeypatch.setattr(bounds, "lowest_errors", lambda *a: seen.append(a[0]) or lowest(*a))
-    told = ScoreInputs(**{**inputs.__dict__, "kept": kept, "output": output.clone()})
+    told = ScoreInputs(**{**inputs.__dict__, "protected": kept, "output": output.clone()})
     parse_policy("tova+caote").scores(told, lowest=1)
     assert torch.equal(seen[-1], output) and seen[-1] is not output
     parse_policy("h2o+caote").scores(ScoreInputs(**{**told.__dict__, "history": rows[:, :, -1]}), lowest=1)
@@ -322,13 +322,13 @@ def test_a_kept_heavy_token_skips_the_stable_form_and_leaves_every_other_error_a
     weights, values = heavy_case(3)
     stable = errors(weights, values)
     kept = torch.zeros(2, 2, 1, 12, dtype=torch.bool)
-    assert torch.equal(errors(weights, values, kept=kept), stable)  # nothing kept: the stable form as before
+    assert torch.equal(errors(weights, values, protected=kept), stable)  # nothing kept: the stable form as before
     kept[..., 0] = True
-    skipped = errors(weights, values, kept=kept)
+    skipped = errors(weights, values, protected=kept)
     assert torch.equal(skipped[..., 1:], stable[..., 1:]) and torch.isfinite(skipped).all()
     assert not torch.equal(skipped[..., 0], stable[..., 0])  # the heavy entry, which the cache never reads
     kept[0, 0, 0, 0] = False  # one row's heavy token may be evicted: its rows get the stable form, no other
-    partly = errors(weights, values, kept=kept)
+    partly = errors(weights, values, protected=kept)
     assert torch.equal(partly[0, 0], stable[0, 0]) and torch.equal(partly[..., 1:], stable[..., 1:])
     assert torch.equal(partly[1:, ..., 0], skipped[1:, ..., 0])
 
@@ -391,7 +391,7 @@ def test_bounded_errors_evict_what_the_direct_errors_evict(output, how, case, co
     for seed in range(3):
         weights, values, _, kept = bounded_case(seed, **case)
         errors = value_aware.caote_errors if output is value_aware.caote_output else value_aware.fast_caote_errors
-        direct = aggregate_groups(errors(weights, values, kept=kept), how)
+        direct = aggregate_groups(errors(weights, values, protected=kept), how)
         weighted = output is value_aware.caote_output
         bounded = bounds.lowest_errors(output(weights, values), weights, values, kept, count, how, weighted)
         assert bounded is not None
@@ -418,7 +418,7 @@ def test_a_heavy_token_whose_value_is_the_others_mean_is_evicted_by_the_bounded_
     mean = (others / others.sum()) @ values[0, 1, 0]
     values[0, 1, 0, heavy] = mean + 1e-6 * torch.randn(16, generator=torch.Generator().manual_seed(3))
     output = value_aware.weighted_values(weights, values)
-    direct = aggregate_groups(value_aware.caote_errors(weights, values, kept=kept), how)
+    direct = aggregate_groups(value_aware.caote_errors(weights, values, protected=kept), how)
     assert victims(direct, kept, 1)[0, 1, 0] == heavy
     bounded = bounds.lowest_errors(output, weights, values, kept, 1, how, True)
     unkept = ~kept.squeeze(2)
@@ -464,7 +464,7 @@ def test_the_heavy_token_is_bounded_only_under_float32_products(monkeypatch):
         torch.set_float32_matmul_precision("highest")
     assert bounds.full_float32_products()
     weights, values, output, kept = bounded_case(5, heavy=True)
-    direct = aggregate_groups(value_aware.caote_errors(weights, values, kept=kept), "rss")
+    direct = aggregate_groups(value_aware.caote_errors(weights, values, protected=kept), "rss")
     calls = []
     bound = bounds.heavy_token_lower_bound
     monkeypatch.setattr(bounds, "heavy_token_lower_bound", lambda *a: calls.append(1) or bound(*a))
@@ -485,7 +485,7 @@ def test_the_triangle_bounds_need_their_rounding_slack_where_they_are_tight(monk
     values = direction * (torch.rand(2, 4, 1, 400, 1, generator=generator) * 6 + 1)  # v_j = s_j u
     kept = torch.zeros(2, 4, 1, 400, dtype=torch.bool)
     output = value_aware.weighted_values(weights, values)
-    direct = aggregate_groups(value_aware.caote_errors(weights, values, kept=kept), "rss")
+    direct = aggregate_groups(value_aware.caote_errors(weights, values, protected=kept), "rss")
     bounded = bounds.lowest_errors(output, weights, values, kept, 1, "rss", True)
     assert (bounded <= direct).all()
     assert torch.equal(victims(bounded, kept, 1), victims(direct, kept, 1))
@@ -507,7 +507,7 @@ def test_a_policy_told_how_many_go_scores_only_the_candidates_and_evicts_the_sam
     rows = weights.view(2, 9, 1, -1)
     inputs = ScoreInputs(
         keys=None, values=values.squeeze(2), positions=torch.arange(300).expand(2, 3, 300), real=None,
-        history=rows, kept=kept.squeeze(2),
+        history=rows, protected=kept.squeeze(2),
     )  # fmt: skip
     for name in ("tova+caote", "tova+fastcaote", "tova+caote/max"):
         policy = parse_policy(name)
