@@ -64,7 +64,9 @@ class ForwardShared:
 
         The newest query of a step sees every earlier slot unless it is padding, so its row of the 4D mask (bool for
         sdpa, additive float for eager) is the padding mask of the slots. Every layer of a forward gets the same mask
-        object, so the answer is worked out once per forward (the mask is held weakly: it is not kept alive)."""
+        object, so the answer is worked out once per forward (the mask is held weakly: it is not kept alive); a layer
+        holding masked slots passes its own mask (`EvictionLayer.attention_mask`), whose columns of the new tokens,
+        the only ones read, are the model's."""
         if attention_mask is None:
             return None
         if self.mask_seen is not None and self.mask_seen[0]() is attention_mask:

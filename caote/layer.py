@@ -26,7 +26,8 @@ from caote.attention import SlotViews
 from caote.bases import ScoreInputs
 from caote.positions import PADDING, held
 from caote.settings import CacheSettings
-from caote.slots import SlotBuffer, group_index, masked_slots_mask, protected, sinks_of
+from caote.slots import SlotBuffer, masked_slots_mask, protected, sinks_of
+from caote.value_aware import group_index, group_size
 
 
 def layer_bytes(layer) -> int:
@@ -113,7 +114,8 @@ class EvictionLayer(DynamicLayer):
         """Evict as ``settings`` say from now on (a restored snapshot, perhaps of another cache); slots of another
         schedule or budget return to arrival order."""
         self.settings, self.slots_allowed = settings, slots_allowed
-        if self.in_place and (not slots_allowed or self.keys.shape[-2] != settings.budget + 1):
+        out_of_phase = self.padded and settings.decode_eviction_interval > 1  # its rows may evict at other steps
+        if self.in_place and (not slots_allowed or out_of_phase or self.keys.shape[-2] != settings.budget + 1):
             self.leave_slots()
         elif self.in_place:  # the sinks may be more or fewer
             self.slots.sinks = sinks_of(self.positions, settings.sink_tokens)
@@ -156,8 +158,9 @@ class EvictionLayer(DynamicLayer):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Retained tokens sit just before the new ones in the mask; padding slots stay at the front (see
-        # `caote.policies.protect`). In place, a decode step attends over every slot (`attention_mask` masks the
+        # Retained tokens sit just before the new ones in the mask; left padding stays at the front (see
+        # `caote.policies.protect`), and the slots a padded batch's row masks among its tokens get their own mask
+        # (`attention_mask`). In place, a decode step attends over every slot (`attention_mask` masks the
         # ones that hold no real token); a layer with no slot free goes back to arrival order in `update`, so it
         # gets the arrival-order sizes.
         if self.in_place and query_length == 1 and self.slots.free.shape[-1] > 0:
@@ -251,7 +254,12 @@ class EvictionLayer(DynamicLayer):
             self.history = self.history.gather(-1, group_index(indices, self.history))
         if masked is not None and bool((masked & held(self.positions)).any()):
             self.positions = self.positions.masked_fill(masked, PADDING)
+            if self.history is not None:  # what it remembered of them reaches no score (SnapKV's pooling included)
+                gone = masked.repeat_interleave(group_size(self.history.shape[1], masked.shape[1]), dim=1)
+                self.history = self.history.masked_fill(gone.unsqueeze(2) if self.history.dim() == 4 else gone, 0.0)
             self.masked_slots = True
+        elif self.masked_slots:  # until the last slot it masked is evicted
+            self.masked_slots = bool((self.positions == PADDING).any())
 
     def truncate(self, tokens: int) -> None:
         """Drop every slot after the first ``tokens`` (a look-ahead draft's), as if those tokens were never seen."""

@@ -20,12 +20,11 @@ from caote import bounds, value_aware
 from caote.bases import BASE_SCORES, BaseScore, ScoreInputs
 from caote.defaults import PAPER_GROUP
 from caote.positions import held
-from caote.slots import group_index
 
 
 @dataclass(frozen=True)
 class Transform:
-    """A value-aware transform: ``errors`` ``(weights, values, real, kept, fused)`` -> every token's error, and the
+    """A value-aware transform: ``errors`` ``(weights, values, real, protected, fused)`` -> every token's error, and the
     ``output`` ``(weights, values, real)`` it measures the values from (read by `caote.bounds.lowest_errors`);
     ``weighted``: that output is the weights' weighted sum of the values, so an attention row's is the attention
     output."""
@@ -135,25 +134,33 @@ class Policy:
         ``budget`` real tokens keeps its ``kept`` best, one holding fewer keeps them all (with a decode interval
         above 1 the rows fall out of phase); the rows share one width, at least ``kept``, a row's slots beyond its
         own count being its lowest-ranked."""
-        scores = protect(self.scores(inputs, gqa), inputs)
+        scores = protect(self.ordered_scores(inputs, gqa, inputs.real is not None), inputs)
         if inputs.real is None:
             return scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values, None
-        held = inputs.real.sum(dim=-1, keepdim=True)
-        target = torch.where(held > budget, kept, held)
+        own = inputs.real.sum(dim=-1, keepdim=True)
+        target = torch.where(own > budget, kept, own)
         width = min(max(kept, int(target.max())), scores.shape[-1])
         indices, order = scores.topk(width, dim=-1).indices.sort(dim=-1)  # topk: best first
-        return indices, (torch.arange(width, device=held.device) >= target).gather(-1, order)
+        return indices, (torch.arange(width, device=own.device) >= target).gather(-1, order)
 
     def slots_to_free(self, inputs: ScoreInputs, count: int, gqa: str, fused: bool = False) -> torch.Tensor:
         """The ``count`` slots ``(B, H_kv, count)`` of lowest protected score of a layer decoding in place (slots
-        out of arrival order), ties going to the older token. A base that reads the tokens' order
-        (`caote.bases.BaseScore.ordered`) scores them in position order."""
-        order = inputs.positions.argsort(dim=-1) if self.base.ordered else None
-        ordered = inputs if order is None else in_position_order(inputs, order)
-        scores = self.scores(ordered, gqa, fused=fused, lowest=count)
-        if order is not None:  # back from position order to the slots
-            scores = torch.empty_like(scores).scatter_(-1, order, scores)
+        out of arrival order), ties going to the older token."""
+        scores = self.ordered_scores(inputs, gqa, True, fused=fused, lowest=count)
         return lowest(protect(scores, inputs), inputs.positions, count)
+
+    def ordered_scores(
+        self, inputs: ScoreInputs, gqa: str, unordered: bool, fused: bool = False, lowest: int | None = None
+    ) -> torch.Tensor:
+        """`scores` of the slots as ``inputs`` hold them. A base that reads the tokens' order
+        (`caote.bases.BaseScore.ordered`: SnapKV's pooling) is scored on them sorted by position when they may be
+        ``unordered`` (a layer decoding in place; a padded batch's row with masked slots among its tokens, which
+        sort first, as left padding does)."""
+        if not (unordered and self.base.ordered):
+            return self.scores(inputs, gqa, fused=fused, lowest=lowest)
+        order = inputs.positions.argsort(dim=-1)
+        scores = self.scores(in_position_order(inputs, order), gqa, fused=fused, lowest=lowest)
+        return torch.empty_like(scores).scatter_(-1, order, scores)  # back from position order to the slots
 
 
 def protect(scores: torch.Tensor, inputs: ScoreInputs) -> torch.Tensor:
@@ -189,7 +196,7 @@ def in_position_order(inputs: ScoreInputs, order: torch.Tensor) -> ScoreInputs:
         values=by_order(inputs.values),
         positions=positions,
         real=None if inputs.real is None else held(positions),
-        history=None if history is None else history.gather(-1, group_index(order, history)),
+        history=None if history is None else history.gather(-1, value_aware.group_index(order, history)),
         protected=by_order(inputs.protected),
         value_norms=by_order(inputs.value_norms),
     )

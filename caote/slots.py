@@ -20,23 +20,7 @@ import torch
 
 from caote.attention import SlotViews
 from caote.positions import FREE, UNSEEN, held
-from caote.value_aware import group_size
-
-
-def group_index(slots: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-    """Slot indices ``(B, H_kv, k)`` as an index into a per-query-head ``history`` ``(B, H_q, [R,] N)``: each KV
-    head's slots repeated over its query group (and over the rows)."""
-    index = slots.repeat_interleave(group_size(history.shape[1], slots.shape[1]), dim=1)
-    return index.unsqueeze(2).expand(-1, -1, history.shape[2], -1) if history.dim() == 4 else index
-
-
-def clear_history(history: torch.Tensor, slots: torch.Tensor) -> None:
-    """Zero, in place, what every query head's ``history`` ``(B, H_q, [R,] N)`` holds of the ``slots``
-    ``(B, H_kv, k)`` (a KV head's query heads side by side, so the slots broadcast over the group as a view)."""
-    batch, kv_heads, count = slots.shape
-    grouped = history.view(batch, kv_heads, -1, *history.shape[2:])
-    index = slots.view(batch, kv_heads, *(1,) * (history.dim() - 2), count).expand(*grouped.shape[:-1], count)
-    grouped.scatter_(-1, index, 0.0)
+from caote.value_aware import clear_history, group_size
 
 
 class SlotBuffer:
@@ -55,10 +39,20 @@ class SlotBuffer:
         self.value_norms = torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device) if norms else None
         self.normed = torch.full(sinks.shape, UNSEEN, dtype=torch.long, device=sinks.device) if norms else None
 
-    # the tensors a stack of layers concatenates (`caote.stacking`), and those of them written in place, which the
-    # stack's copy may become the layers' own storage of
+    # every field above, once; the tensors a stack of layers concatenates (`caote.stacking`), and those of them
+    # written in place, which the stack's copy may become the layers' own storage of
+    FIELDS = ("free", "no_free", "sinks", "written", "newest", "views", "output", "value_norms", "normed")
     STACKED = ("free", "sinks", "written", "newest", "output", "value_norms", "normed")
     WRITTEN_IN_PLACE = ("sinks", "value_norms", "normed")
+
+    @classmethod
+    def of_stack(cls, tensors: dict[str, torch.Tensor | None]) -> SlotBuffer:
+        """The buffer of a stack of layers (`caote.stacking.stack`): what its scoring reads of theirs, ``tensors``
+        by field; it writes no token, so every other field is None."""
+        buffer = cls.__new__(cls)
+        for name in cls.FIELDS:
+            setattr(buffer, name, tensors.get(name))
+        return buffer
 
     @classmethod
     def pack(cls, keys, values, positions, history, sink_tokens: int, norms: bool) -> tuple:

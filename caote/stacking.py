@@ -91,11 +91,11 @@ def stack(layers: list[EvictionLayer]) -> EvictionLayer:
     for name in own:
         setattr(together, name, concatenated(layers, name, name in LAYER_WRITTEN_IN_PLACE))
     buffers = [layer.slots for layer in layers]
-    together.slots = SlotBuffer.__new__(SlotBuffer)  # what the scores read of the buffers, nothing to write
-    for name in SlotBuffer.STACKED:
-        written = name in SlotBuffer.WRITTEN_IN_PLACE
-        setattr(together.slots, name, concatenated(buffers, name, written) if name in slot_names else None)
-    together.slots.views = None
+    read = {  # what the scores read of the buffers (a stack writes no token: it needs nothing else of them)
+        name: concatenated(buffers, name, name in SlotBuffer.WRITTEN_IN_PLACE) if name in slot_names else None
+        for name in SlotBuffer.STACKED
+    }
+    together.slots = SlotBuffer.of_stack(read)
     for layer in layers:  # nor do a layer's attention views keep buffers it no longer holds alive
         if layer.slots.views is not None and not layer.slots.views.views(layer.keys, layer.values):
             layer.slots.views = None

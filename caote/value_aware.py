@@ -328,6 +328,22 @@ def group_size(query_heads: int, kv_heads: int) -> int:
     return query_heads // kv_heads
 
 
+def group_index(slots: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """Slot indices ``(B, H_kv, k)`` as an index into a per-query-head ``history`` ``(B, H_q, [R,] N)``: each KV
+    head's slots repeated over its query group (and over the rows)."""
+    index = slots.repeat_interleave(group_size(history.shape[1], slots.shape[1]), dim=1)
+    return index.unsqueeze(2).expand(-1, -1, history.shape[2], -1) if history.dim() == 4 else index
+
+
+def clear_history(history: torch.Tensor, slots: torch.Tensor) -> None:
+    """Zero, in place, what every query head's ``history`` ``(B, H_q, [R,] N)`` holds of the ``slots``
+    ``(B, H_kv, k)`` (a KV head's query heads side by side, so the slots broadcast over the group as a view)."""
+    batch, kv_heads, count = slots.shape
+    grouped = history.view(batch, kv_heads, -1, *history.shape[2:])
+    index = slots.view(batch, kv_heads, *(1,) * (history.dim() - 2), count).expand(*grouped.shape[:-1], count)
+    grouped.scatter_(-1, index, 0.0)
+
+
 def group_query_heads(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``(B, H_q, ...)`` -> ``(B, H_kv, g, ...)``: the query heads of each KV head side by side."""
     batch, heads = scores.shape[:2]

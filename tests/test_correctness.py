@@ -271,11 +271,13 @@ def test_the_settings_read_the_window_from_the_policy():
     assert CacheSettings(budget=100, policy="h2o").replace(budget=200).recent == 100  # the share follows the budget
 
 
-@pytest.mark.parametrize("policy", ["streamingllm", "h2o", "tova", "h2o+caote", "caote-ahead"])
+@pytest.mark.parametrize(
+    "policy", ["streamingllm", "h2o", "tova", "h2o+caote", "snapkv", "snapkv+caote", "caote-ahead"]
+)
 @pytest.mark.parametrize("budget", [40, 44])
-def test_a_left_padded_row_evicting_every_few_decode_steps_keeps_what_it_keeps_alone(policy, budget):
-    # the padded row's own tokens decide when it evicts, not the count of slots the batch's rows share: with an
-    # interval of 3 the rows fall out of phase, and a row with fewer real tokens holds masked slots meanwhile
+def test_a_left_padded_batch_evicting_every_few_decode_steps_keeps_what_each_row_keeps_alone(policy, budget):
+    # each row's own tokens decide when it evicts, not the count of slots the batch's rows share: with an interval of
+    # 3 the rows fall out of phase, and a row holding fewer tokens than the others holds masked slots meanwhile
     model = tiny_model("llama").double()
     long_row, short_row = random_ids(279, seed=4), random_ids(23, seed=5)
     ids = torch.cat([long_row, torch.cat([torch.zeros(1, 256, dtype=torch.long), short_row], dim=1)])
@@ -284,11 +286,11 @@ def test_a_left_padded_row_evicting_every_few_decode_steps_keeps_what_it_keeps_a
     settings = {"budget": budget, "policy": policy, "decode_eviction_interval": 3}
     batch_cache = EvictionCache(model, **settings)
     batch = greedy(model, ids, batch_cache, attention_mask=attention_mask, new_tokens=28, block_size=128)
-    alone_cache = EvictionCache(model, **settings)
-    alone = greedy(model, short_row, alone_cache, new_tokens=28, block_size=128)
-    assert torch.equal(batch[1, -28:], alone[0, -28:])
-    for batch_layer, alone_layer in zip(batch_cache.layers, alone_cache.layers):
-        held = batch_layer.kept_positions()[1]
-        for head, alone_head in zip(held, alone_layer.kept_positions()[0]):
-            assert torch.equal(head[head >= 0], alone_head)
-        assert batch_layer.retained <= budget
+    for row, alone_ids in enumerate((long_row, short_row)):
+        alone_cache = EvictionCache(model, **settings)
+        alone = greedy(model, alone_ids, alone_cache, new_tokens=28, block_size=128)
+        assert torch.equal(batch[row, -28:], alone[0, -28:])
+        for batch_layer, alone_layer in zip(batch_cache.layers, alone_cache.layers):
+            for head, alone_head in zip(batch_layer.kept_positions()[row], alone_layer.kept_positions()[0]):
+                assert torch.equal(head[head >= 0], alone_head)
+            assert batch_layer.retained <= budget
