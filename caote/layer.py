@@ -50,7 +50,7 @@ class EvictionLayer(DynamicLayer):
         self.settings = settings
         self.cumulative_length = 0
         self.new_tokens = 0
-        self.positions: torch.Tensor | None = None  # (B, H_kv, N) int64, `caote.slots` sentinels where no token
+        self.positions: torch.Tensor | None = None  # (B, H_kv, N) int64, `caote.positions` sentinels where no token
         self.history: torch.Tensor | None = None  # the policy's `caote.history` of attention rows, token axis last
         self.padded = False  # a padding slot was recorded since the last reset (it may since have been evicted)
         self.masked_slots = False  # a row of a padded batch holds slots beyond its own tokens (`keep`)
