@@ -10,7 +10,13 @@ from pathlib import Path
 
 from caote.arguments import UsageError, add_subcommand, hide_loading_bars, parse_int_list, positive_int
 from caote.commands import check_model
-from caote.defaults import CALIBRATION_BUDGETS, CALIBRATION_MASS_WEIGHT, DEFAULT_CALIBRATION_DOMAIN, FEATURE_GROUPS
+from caote.defaults import (
+    CALIBRATION_BUDGETS,
+    CALIBRATION_MASS_WEIGHT,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CALIBRATION_DOMAIN,
+    FEATURE_GROUPS,
+)
 
 HELP = "fit the learned policy's importance predictor for a model to the hindsight oracle"
 DESCRIPTION = (
@@ -88,6 +94,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--texts '{args.texts}' is not a folder")
     if args.out.is_dir():
         raise UsageError(f"--out '{args.out}' is a directory; give a file path")
+    if not args.out.parent.is_dir():
+        raise UsageError(f"--out '{args.out}': folder '{args.out.parent}' does not exist")
+    if args.length < DEFAULT_BLOCK_SIZE:
+        raise UsageError(
+            f"--length must be at least one prefill block ({DEFAULT_BLOCK_SIZE} tokens), got {args.length}"
+        )
     if args.rollout_predictor is not None and not args.rollout_predictor.is_file():
         raise UsageError(f"--rollout-predictor '{args.rollout_predictor}' is not a file (write one with calibrate)")
     check_model(args.model)

@@ -29,6 +29,7 @@ import hashlib
 import inspect
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,7 +258,6 @@ class Predictor:
         from safetensors.torch import save_file
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         metadata = {
             "feature_set": FEATURE_SET,
             "groups": json.dumps(list(self.groups)),
@@ -266,7 +266,12 @@ class Predictor:
             "texts": json.dumps(self.texts),
             "details": json.dumps(self.details),
         }
-        save_file({"weights": self.weights.float().contiguous()}, str(path), metadata=metadata)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # a killed save leaves no half-written file
+        try:
+            save_file({"weights": self.weights.float().contiguous()}, str(partial), metadata=metadata)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
         return path
 
     @classmethod

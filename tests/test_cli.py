@@ -475,6 +475,8 @@ def test_bench_help_prints_lists_not_tuples(capsys):
         (["--out", "p.safetensors", "--texts", "no/such/folder"], "--texts 'no/such/folder' is not a folder"),
         (["--out", "p.safetensors", "--rollout-predictor", "no.safetensors"], "--rollout-predictor 'no.safetensors'"),
         (["--out", "p.safetensors", "--mass-weight", "-1"], "--mass-weight must lie in [0, 4], got -1.0"),
+        (["--out", "no/such/dir/p.safetensors"], "--out 'no/such/dir/p.safetensors': folder 'no/such/dir' does not"),
+        (["--out", "p.safetensors", "--length", "5", "--count", "1"], "--length must be at least one prefill block"),
     ],
 )
 def test_bad_calibrate_options_exit_2_before_loading_the_model(capsys, no_model_load, args, message):

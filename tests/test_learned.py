@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -432,3 +433,31 @@ def test_decode_steps_reuse_predictions_until_a_token_is_due(llama, recent_windo
     steps.clear()
     greedy(llama, random_ids(100, seed=4), EvictionCache(llama, settings), new_tokens=10)
     assert all(steps)  # 1: every step predicts afresh
+
+
+def test_a_predictor_save_that_is_killed_leaves_no_file_and_a_finished_one_replaces_the_old(tmp_path, monkeypatch):
+    import shutil
+
+    import safetensors.torch
+
+    path = tmp_path / "old.safetensors"
+    shutil.copyfile(sorted(PREDICTOR_DIR.glob("*.safetensors"))[0], path)
+    before = path.read_bytes()
+    predictor = Predictor.load(path)
+    written = safetensors.torch.save_file
+
+    def killed(tensors, filename, metadata=None):
+        written(tensors, filename, metadata=metadata)
+        Path(filename).write_bytes(Path(filename).read_bytes()[:40])  # half written, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    fresh = tmp_path / "fresh.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        predictor.save(fresh)
+    with pytest.raises(KeyboardInterrupt):
+        predictor.save(path)
+    assert not fresh.exists() and path.read_bytes() == before  # neither a half file nor a damaged old one
+    assert sorted(item.name for item in tmp_path.iterdir()) == [path.name]
+    monkeypatch.setattr(safetensors.torch, "save_file", written)
+    assert Predictor.load(predictor.save(fresh)).weights.equal(predictor.weights)
