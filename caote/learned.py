@@ -326,16 +326,31 @@ class Predictor:
                     f"predictor {str(path)!r} was calibrated for {predictor.model!r}, not this model ({name!r}); "
                     f"calibrate one with: caote calibrate --model <this model> --out FILE"
                 )
-            return predictor
+            return predictor.check_fits(model, repr(str(path)))
         committed = [cls.load(candidate) for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors"))]
         for predictor in committed:
             if predictor.fingerprint == fingerprint:
-                return predictor
+                return predictor.check_fits(model, f"shipped for {predictor.model!r}")
         raise ValueError(
             f"policy 'learned' needs a predictor calibrated for {name!r}: run `caote calibrate --model <model> --out "
             "FILE` and pass predictor=FILE (--predictor FILE); only "
             f"{', '.join(predictor.model for predictor in committed) or 'no model'} ship one"
         )
+
+    def check_fits(self, model: nn.Module, source: str) -> Predictor:
+        """This predictor, refused in one line unless its weights are finite and shaped as ``model``'s (layers, KV
+        heads, features): a file edited or truncated by hand would otherwise fail inside `generate`."""
+        layers = model.get_decoder().layers
+        features = len(feature_names(self.groups, layers[0].self_attn.head_dim))
+        want = (len(layers), model.config.num_key_value_heads, features)
+        if tuple(self.weights.shape) != want:
+            raise ValueError(
+                f"predictor {source} holds weights of shape {tuple(self.weights.shape)}, not this model's (layers, KV "
+                f"heads, features) {want}: calibrate one with: caote calibrate --model <this model> --out FILE"
+            )
+        if not bool(torch.isfinite(self.weights).all()):
+            raise ValueError(f"predictor {source} holds NaN or infinite weights: calibrate it again (caote calibrate)")
+        return self
 
     def layer(self, index: int, unrotate: Callable | None, sink_tokens: int) -> LayerPredictor:
         return LayerPredictor(self.weights[index], self.groups, unrotate, sink_tokens)

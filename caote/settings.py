@@ -112,6 +112,11 @@ class CacheSettings:
         }
         if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
             raise ValueError(f"predictor must be the path of a file written by caote calibrate, got {self.predictor!r}")
+        if self.predictor is not None and not policy.reads_predictor:
+            raise ValueError(
+                f"policy {policy.name!r} reads no predictor, so predictor={str(self.predictor)!r} would be ignored: "
+                "use it with a learned policy (e.g. 'learned+caote') or leave it out"
+            )
         if not isinstance(self.compile_decode, bool):
             raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}")
         if self.gqa not in GQA_AGGREGATIONS:

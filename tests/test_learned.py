@@ -199,6 +199,31 @@ def test_learned_refuses_a_model_without_a_predictor_in_one_line(llama, tmp_path
         EvictionCache(other, CacheSettings(budget=40, policy="learned", predictor=path))
 
 
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda w: w[:-1], r"shape \(1, 2, 60\), not this model's .* \(2, 2, 60\)"),  # a layer short
+        (lambda w: w[:, :1], r"shape \(2, 1, 60\)"),  # a KV head short
+        (lambda w: w[..., :-2], r"shape \(2, 2, 58\)"),  # features short
+        (lambda w: w.flatten(), r"shape \(240,\)"),
+        (lambda w: w[0, 0, 0], r"shape \(\)"),
+        (lambda w: w.index_fill(2, torch.tensor([3]), float("nan")), "NaN or infinite"),
+        (lambda w: w.index_fill(0, torch.tensor([1]), float("inf")), "NaN or infinite"),
+    ],
+)
+def test_a_predictor_whose_weights_do_not_fit_the_model_is_refused_when_the_cache_is_built(
+    llama, tmp_path, damage, message
+):
+    import dataclasses
+
+    predictor = Predictor.load(calibrated(llama, tmp_path))
+    broken = dataclasses.replace(predictor, weights=damage(predictor.weights.clone()))
+    path = broken.save(tmp_path / "broken.safetensors")
+    with pytest.raises(ValueError, match=message) as error:
+        EvictionCache(llama, CacheSettings(budget=40, policy="learned+caote", predictor=str(path)))
+    assert "\n" not in str(error.value) and "caote calibrate" in str(error.value)
+
+
 def test_a_predictor_of_another_feature_set_is_refused(llama, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -461,3 +486,15 @@ def test_a_predictor_save_that_is_killed_leaves_no_file_and_a_finished_one_repla
     assert sorted(item.name for item in tmp_path.iterdir()) == [path.name]
     monkeypatch.setattr(safetensors.torch, "save_file", written)
     assert Predictor.load(predictor.save(fresh)).weights.equal(predictor.weights)
+
+
+def test_a_predictor_given_to_a_policy_that_reads_none_is_refused_not_ignored(capsys, tmp_path):
+    from caote.cli import main
+
+    with pytest.raises(ValueError, match="^policy 'h2o\\+caote' reads no predictor, so predictor='p.safetensors'"):
+        CacheSettings(budget=64, policy="h2o+caote", predictor="p.safetensors")
+    assert CacheSettings(budget=64, policy="learned", predictor="p.safetensors").predictor == "p.safetensors"
+    committed = str(sorted(PREDICTOR_DIR.glob("*.safetensors"))[0])
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "hi", "--policy", "tova", "--predictor", committed])
+    assert stop.value.code == 2 and "policy 'tova' reads no predictor" in capsys.readouterr().err

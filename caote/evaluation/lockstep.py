@@ -55,7 +55,7 @@ def cell_settings(
         policy=policy,
         block_size=block_size,
         decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
-        predictor=predictor,
+        predictor=predictor if parse_policy(policy).reads_predictor else None,  # a grid's other policies read none
     )
 
 
