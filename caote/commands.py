@@ -274,6 +274,10 @@ def check_settings(args: argparse.Namespace):
             predictor=None if predictor is None else str(predictor),
             compile_decode=args.compile_decode,
         )
+        if settings.predictor is not None:  # readable, of this feature set: known before the model loads
+            from caote.learned import Predictor
+
+            Predictor.load(settings.predictor)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if settings.policy.evicts and settings.policy.base.hindsight:
@@ -328,10 +332,14 @@ def _answer(args, settings, sampling: dict, text, model, tokenizer) -> int:
         else:
             print(f"caote generate: note: {args.model!r} has no chat template; using the raw prompt", file=sys.stderr)
     options = dict(sampling)
-    try:  # the length limit and the model's class, known once it is loaded
+    try:  # the length limit, the model's class and its predictor, known once it is loaded
         input_ids, settings, max_new_tokens = check_inputs(
             model, tokenizer, prompt, args.max_new_tokens, settings, options
         )
+        if settings.policy.reads_predictor:
+            from caote.learned import Predictor
+
+            Predictor.for_model(model, settings.predictor)
     except ValueError as error:
         raise UsageError(str(error)) from None
     torch.manual_seed(args.seed)

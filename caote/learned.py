@@ -295,7 +295,9 @@ class Predictor:
                 weights = file.get_tensor("weights")
         except (OSError, RuntimeError, ValueError, KeyError, SafetensorError) as error:
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise ValueError(f"cannot read predictor {path!r}: {reason}") from None
+            raise ValueError(
+                f"cannot read predictor {path!r}: {reason}; write one with: caote calibrate --model <model> --out FILE"
+            ) from None
         missing = {"groups", "model", "fingerprint", "texts", "details"} - set(metadata)
         if missing and metadata.get("feature_set") == FEATURE_SET:
             raise ValueError(f"predictor {path!r} lacks {', '.join(sorted(missing))}: not written by caote calibrate")

@@ -496,6 +496,13 @@ def test_a_damaged_or_mismatched_rollout_predictor_exits_2_before_loading_the_mo
     assert code == 2 and "has features scalars,key, not --features scalars" in err
 
 
+def test_generate_refuses_an_unreadable_predictor_before_loading_and_says_what_to_do(capsys, no_model_load, tmp_path):
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(sorted(PREDICTOR_DIR.glob("*.safetensors"))[0].read_bytes()[:1000])
+    code, _, err = run_main(capsys, "generate", "hi", "--policy", "learned+caote", "--predictor", str(truncated))
+    assert code == 2 and err.count("\n") == 1 and "cannot read predictor" in err and "caote calibrate" in err
+
+
 def test_generate_refuses_a_missing_predictor_file_before_loading(capsys, no_model_load):
     code, _, err = run_main(capsys, "generate", "hi", "--policy", "learned+caote", "--predictor", "missing.safetensors")
     assert code == 2 and "--predictor 'missing.safetensors' is not a file" in err
