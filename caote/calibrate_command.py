@@ -92,6 +92,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     groups = feature_groups(args.features)
     if args.texts is not None and not args.texts.is_dir():
         raise UsageError(f"--texts '{args.texts}' is not a folder")
+    if args.texts is not None and not any(args.texts.glob("*.txt")):
+        raise UsageError(f"--texts '{args.texts}' holds no .txt file")
     if args.out.is_dir():
         raise UsageError(f"--out '{args.out}' is a directory; give a file path")
     if not args.out.parent.is_dir():

@@ -485,6 +485,12 @@ def test_bad_calibrate_options_exit_2_before_loading_the_model(capsys, no_model_
     assert err.startswith(f"caote calibrate: error: {message}"), err
 
 
+def test_calibrate_refuses_a_text_folder_without_texts_before_loading_the_model(capsys, no_model_load, tmp_path):
+    (tmp_path / "notes.md").write_text("not a .txt file")
+    code, _, err = run_main(capsys, "calibrate", "--out", str(tmp_path / "p.safetensors"), "--texts", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and f"--texts '{tmp_path}' holds no .txt file" in err
+
+
 def test_a_damaged_or_mismatched_rollout_predictor_exits_2_before_loading_the_model(capsys, no_model_load, tmp_path):
     damaged = tmp_path / "damaged.safetensors"
     damaged.write_bytes(b"not a predictor")
