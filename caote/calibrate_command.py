@@ -137,6 +137,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
             )
     hide_loading_bars()
     model, tokenizer = load_model(args.model)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and args.length > positions:
+        raise UsageError(f"--length {args.length} exceeds the {positions} positions of {args.model!r}")
     if args.texts is not None:
         texts = folder_texts(tokenizer, args.texts, args.length, args.count)
     else:

