@@ -122,7 +122,7 @@ def long_sections(grid: Grid, configs: dict, rows: dict, planned: dict, results:
         kl = [r for r in pieces["records"] if r["metric"] == "kl" and r["task"] == "all"]
         if kl:
             panels.append((part_title(config).replace(" · ", "\n", 1), kl))
-    plot = plot_panels_vs_budget(panels, results / PLOT, "KL(full ‖ policy), nats/token")
+    plot = plot_panels_vs_budget(panels, results / PLOT, "KL(full ‖ policy), nats/token (lower is better)")
     if plot is not None:
         lines += ["## KL against budget", "", f"![KL from the full cache vs budget, one panel per part]({PLOT})", ""]
     reading = results / "long_reading.md"

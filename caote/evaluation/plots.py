@@ -102,21 +102,24 @@ def _budgets_of(records: list[dict]) -> list[int]:
     return sorted({r["budget"] for r in records if r["budget"] != ""})
 
 
+# one colour per base in every plot (its +caote / +fastcaote variants by line style and marker)
+BASE_COLOURS = {
+    "streamingllm": "tab:gray",
+    "h2o": "tab:blue",
+    "tova": "tab:orange",
+    "snapkv": "tab:green",
+    "oracle": "black",
+    # ours, beyond the paper: thick lines in colours no paper base uses
+    "caote-window": "tab:purple",
+    "caote-block": "tab:red",
+    "caote-ahead": "tab:brown",
+    "learned": "tab:cyan",
+}
+
+
 def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -> None:
     budgets = _budgets_of(records)
     markers = {"none": "o", "caote": "s", "fastcaote": "^"}
-    colours = {
-        "streamingllm": "tab:gray",
-        "h2o": "tab:blue",
-        "tova": "tab:orange",
-        "snapkv": "tab:green",
-        "oracle": "black",
-        # ours, beyond the paper: thick lines in colours no paper base uses
-        "caote-window": "tab:purple",
-        "caote-block": "tab:red",
-        "caote-ahead": "tab:brown",
-        "learned": "tab:cyan",
-    }
     drawn = [p for p in policy_order({r["policy"] for r in records}) if p != FULL]
     for policy in policy_order({r["policy"] for r in records}):
         chosen = sorted((r for r in records if r["policy"] == policy and r["budget"] != ""), key=lambda r: r["budget"])
@@ -140,7 +143,7 @@ def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -
             y,
             yerr=error,
             label="oracle (hindsight ceiling)" if oracle else policy,
-            color=colours.get(parsed.base_name),
+            color=BASE_COLOURS.get(parsed.base_name),
             capsize=2,
             marker="*" if oracle else markers[parsed.transform],
             markersize=7 if oracle else 4,
@@ -190,9 +193,11 @@ def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | No
     for policy in policy_order({r["policy"] for r in chosen}):
         layers = [r["fidelity_layers"] for r in chosen if r["policy"] == policy]
         mean = [sum(values) / len(values) for values in zip(*layers)]
-        axis.plot(range(len(mean)), mean, label=policy, linestyle=_linestyle(parse_policy(policy)))
+        parsed = parse_policy(policy)
+        colour = BASE_COLOURS.get(parsed.base_name) if parsed.evicts else "gray"
+        axis.plot(range(len(mean)), mean, label=policy, linestyle=_linestyle(parsed), color=colour)
     axis.set_xlabel("layer")
-    axis.set_ylabel("||O_policy − O_full|| / ||O_full||")
+    axis.set_ylabel("||O_policy − O_full|| / ||O_full|| (lower is better)")
     axis.set_title(f"Attention-output relative error per layer, b={budget}", fontsize=10)
     return _save_with_legend(plt, figure, axis, path)
 

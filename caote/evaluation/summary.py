@@ -81,7 +81,8 @@ def summarise_rows(rows: list[dict], benchmark: str, out: Path, plot_prefix: str
             pieces["best_base"].append((label, best_base_table(against_best, metric.digits + 1)))
             name = f"{prefix}{benchmark}_{metric.name}_vs_budget.png"
             title = f"{benchmark}{named}: {metric.label} (95 % CI)"
-            plot = plot_metric_vs_budget(records, out / name, metric.label, title) if plots else None
+            better = f"{metric.label} ({'higher' if metric.higher_is_better else 'lower'} is better)"
+            plot = plot_metric_vs_budget(records, out / name, better, title) if plots else None
             if plot:
                 pieces["plots"].append((f"{benchmark}{named}: {metric.label} vs budget", plot))
                 if view == "all":
