@@ -23,9 +23,10 @@ from caote.attention import attention_probabilities
 from caote.future import FutureAttention
 from caote.history import KEY_TERM_POSITION, PREDICTION_POSITION
 from caote.layer import EvictionLayer
-from caote.learned import Predictor, rotary_inverse
+from caote.learned import Predictor
 from caote.lookahead import draft
 from caote.recording import record
+from caote.rotary import rotary_inverse
 from caote.stacking import evict_together
 
 

@@ -29,8 +29,9 @@ from caote.history import (
     RecentRows,
     SumAndRecent,
 )
-from caote.learned import PREDICTOR_DIR, Predictor, feature_names, model_fingerprint, rotary_inverse
+from caote.learned import PREDICTOR_DIR, Predictor, feature_names, model_fingerprint
 from caote.policies import parse_policy, policy_names
+from caote.rotary import rotary_inverse
 from caote.settings import CacheSettings
 
 

@@ -48,8 +48,8 @@ from caote.learned import (
     feature_names,
     linear_map,
     model_fingerprint,
-    rotary_inverse,
 )
+from caote.rotary import rotary_inverse
 from caote.settings import CacheSettings
 
 RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
