@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 
 class UsageError(ValueError):
@@ -132,18 +131,3 @@ def hide_loading_bars() -> None:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-
-
-def shared_cores_note(threads: int | None) -> str | None:
-    """A one-line note when the machine looks shared: torch's threads (``threads``, else its default of one per
-    core) spin-wait on each other, so a run beside another busy process can take many times longer (the first-hour
-    main job: 33 min instead of 2); ``--threads 1`` avoids it. None when the load leaves a core per thread."""
-    cores = os.cpu_count() or 1
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    wanted = threads or cores
-    if wanted > 1 and load + wanted > cores + 0.5:
-        return (
-            f"note: the load average is {load:.1f} on {cores} cores; if another process is busy, torch's {wanted} "
-            "threads slow each other down: pass --threads 1"
-        )
-    return None

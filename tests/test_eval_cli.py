@@ -86,18 +86,3 @@ def test_command_line_process_exits_2_with_one_line():
     assert result.returncode == 2
     assert result.stderr.strip() == "caote eval: error: --budgets: '12x' is not an integer"
     assert result.stdout == ""
-
-
-def test_a_shared_machine_gets_a_one_line_note_pointing_to_one_thread(monkeypatch):
-    from caote import arguments
-
-    monkeypatch.setattr(arguments.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(arguments.os, "getloadavg", lambda: (1.3, 1.0, 1.0))
-    note = arguments.shared_cores_note(None)
-    assert note == (
-        "note: the load average is 1.3 on 2 cores; if another process is busy, torch's 2 threads slow each other "
-        "down: pass --threads 1"
-    )
-    assert arguments.shared_cores_note(1) is None  # one thread waits on no other
-    monkeypatch.setattr(arguments.os, "getloadavg", lambda: (0.2, 0.1, 0.1))
-    assert arguments.shared_cores_note(None) is None  # an idle machine: nothing to say

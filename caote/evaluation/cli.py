@@ -9,10 +9,9 @@ to ``<out>``. This module is the only place of `caote.evaluation` where a bad va
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from caote.arguments import Parser, UsageError, hide_loading_bars, shared_cores_note
+from caote.arguments import Parser, UsageError, hide_loading_bars
 from caote.evaluation.registry import BENCHMARKS, REPORT
 
 DEFAULT_BUDGETS = "128,256,512"
@@ -198,9 +197,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     hide_loading_bars()
-    note = shared_cores_note(config.threads)
-    if note:
-        print(f"caote eval: {note}", file=sys.stderr)
     if config.benchmark == REPORT:
         return report.run_report(config)
     return report.run_benchmark(config)
