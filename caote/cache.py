@@ -127,8 +127,9 @@ class CacheSnapshot:
 
 @dataclass
 class CacheStats:
-    """What eviction saved so far (per layer counts; bytes over all layers).
+    """What eviction saved so far (per layer counts; bytes over all layers), and the policy that evicted.
 
+    ``policy`` is the policy the cache ran, ``requested`` the name asked for (``"auto"``, or the policy's own).
     ``peak_kv_bytes`` is the most held at once: inside a prefill block only the layer being evicted holds
     ``budget + block`` tokens, the others at most ``budget``; a layer decoding in place holds the bytes of its
     ``budget + 1`` slots throughout (one of them free after each step).
@@ -140,6 +141,8 @@ class CacheStats:
     kv_bytes: int
     peak_kv_bytes: int
     full_kv_bytes: int
+    policy: str
+    requested: str
 
     @property
     def kv_bytes_saved(self) -> int:
@@ -158,7 +161,8 @@ class EvictionCache(Cache):
     settings:
         A `caote.settings.CacheSettings` (its docstring describes each field), or its fields as keyword arguments;
         validated once, when built. The budget and the policy may also come positionally:
-        ``EvictionCache(model, 256, "h2o")``.
+        ``EvictionCache(model, 256, "h2o")``. The policy ``"auto"`` is resolved here, for ``model``
+        (`CacheSettings.for_model`); ``settings`` holds what it resolved to.
     future:
         The `caote.future.FutureAttention` of the teacher-forced text this cache will read, required by the
         ``oracle`` policy (and only by it): a hindsight ceiling for evaluation, which no generation can provide.
@@ -182,9 +186,10 @@ class EvictionCache(Cache):
             settings, values = None, {**values, "budget": settings}
         if policy is not None:
             values["policy"] = policy
-        self.settings = CacheSettings.of(settings, **values)
-        self.policy = self.settings.policy
+        settings = CacheSettings.of(settings, **values)
         attention_modules(model)  # refuses an unsupported family or backend in one line
+        self.settings = settings.for_model(model)
+        self.policy = self.settings.policy
         windows = sliding_windows(model)
         context = CacheContext(model, future, any(window is not None for window in windows), stand_in)
         self.strategy = strategy_for(self.settings, context) if self.policy.evicts else None
@@ -218,9 +223,11 @@ class EvictionCache(Cache):
 
     def __repr__(self):
         settings = self.settings
+        auto = " (auto)" if settings.auto else ""
         return (
-            f"EvictionCache(policy={self.policy.name!r}, budget={settings.budget}, block_size={settings.block_size}, "
-            f"sink_tokens={settings.sink_tokens}, recent_window={settings.recent}, gqa={settings.aggregation!r})"
+            f"EvictionCache(policy={self.policy.name!r}{auto}, budget={settings.budget}, "
+            f"block_size={settings.block_size}, sink_tokens={settings.sink_tokens}, recent_window={settings.recent}, "
+            f"gqa={settings.aggregation!r})"
         )
 
     def close(self) -> None:
@@ -396,7 +403,8 @@ class EvictionCache(Cache):
         seen, kept = first.get_seq_length(), first.retained
         now = self.kv_bytes()
         full = sum(layer_bytes(layer) * seen // layer.keys.shape[-2] for layer in self.layers if layer_bytes(layer))
-        return CacheStats(seen, kept, seen - kept, now, max(self._bytes.peak, now), full)
+        peak = max(self._bytes.peak, now)
+        return CacheStats(seen, kept, seen - kept, now, peak, full, self.policy.name, self.settings.requested)
 
     @property
     def _first_evicting(self) -> int:

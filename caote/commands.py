@@ -24,7 +24,7 @@ from caote.arguments import (
     probability,
     temperature,
 )
-from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY, DEFAULT_SEED
+from caote.defaults import AUTO_POLICY, DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY, DEFAULT_SEED
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,12 +48,13 @@ def add_parser(subparsers) -> None:
 
 
 def policy_table() -> str:
-    """The Markdown table of every policy (``| policy | description |``), as printed by ``caote policies``."""
+    """The Markdown table of every policy (``| policy | description |``), as printed by ``caote policies``,
+    ``auto`` first."""
     # start-up: the policies import torch, which `caote --help` does not need
     from caote.policies import describe, policy_names
 
     lines = ["| policy | description |", "|---|---|"]
-    lines += [f"| `{name}` | {describe(name)} |" for name in policy_names(hindsight=True)]
+    lines += [f"| `{name}` | {describe(name)} |" for name in (AUTO_POLICY, *policy_names(hindsight=True))]
     return "\n".join(lines)
 
 
@@ -91,7 +92,10 @@ def _add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         "--budget", type=positive_int, default=DEFAULT_BUDGET, help="KV tokens kept per layer (default: %(default)s)"
     )
     parser.add_argument(
-        "--policy", default=DEFAULT_POLICY, help="eviction policy, see 'caote policies' (default: %(default)s)"
+        "--policy",
+        default=DEFAULT_POLICY,
+        help="eviction policy, see 'caote policies' (default: %(default)s: the model's learned policy when its "
+        "predictor helps, else caote-block below budget 512 and snapkv+caote from 512; --stats names the one used)",
     )
     parser.add_argument(
         "--max-new-tokens",
@@ -155,8 +159,8 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
         "--predictor",
         type=Path,
         metavar="FILE",
-        help="for the learned policies: a predictor file written by 'caote calibrate' (default: the one committed for "
-        "the model; the bundled model has one)",
+        help="for the learned policies and auto: a predictor file written by 'caote calibrate' (default: the one "
+        "committed for the model; the bundled model has one)",
     )
     parser.add_argument(
         "--compile-decode",
@@ -219,12 +223,15 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def format_stats(stats) -> str:
-    """Lines for ``--stats``: tokens seen / kept / evicted per layer, KV bytes held and saved."""
+    """Lines for ``--stats``: the policy (``auto -> caote-block`` when auto chose it), tokens seen / kept / evicted per
+    layer, KV bytes held and saved."""
     mib = 1024 * 1024
     saved = stats.kv_bytes_saved
     share = 100.0 * saved / stats.full_kv_bytes if stats.full_kv_bytes else 0.0
+    policy = stats.policy if stats.requested == stats.policy else f"{stats.requested} -> {stats.policy}"
     return "\n".join(
         [
+            f"policy {policy}",
             f"tokens seen: {stats.tokens_seen}, kept: {stats.tokens_kept}, evicted: {stats.tokens_evicted} (per layer)",
             f"KV cache: {stats.kv_bytes / mib:.2f} MiB held (peak {stats.peak_kv_bytes / mib:.2f} MiB) vs "
             f"{stats.full_kv_bytes / mib:.2f} MiB for a full cache; saved {saved / mib:.2f} MiB ({share:.1f}%)",
@@ -323,7 +330,7 @@ def _answer(args, settings, sampling: dict, text, model, tokenizer) -> int:
     import torch
     from transformers import TextStreamer
 
-    from caote.generation import check_inputs, generate_checked
+    from caote.generation import announce_predictor, check_inputs, generate_checked
 
     prompt = text
     if args.chat:
@@ -332,14 +339,11 @@ def _answer(args, settings, sampling: dict, text, model, tokenizer) -> int:
         else:
             print(f"caote generate: note: {args.model!r} has no chat template; using the raw prompt", file=sys.stderr)
     options = dict(sampling)
-    try:  # the length limit, the model's class and its predictor, known once it is loaded
+    try:  # the length limit, the model's class and its predictor (its verdict printed), known once it is loaded
         input_ids, settings, max_new_tokens = check_inputs(
             model, tokenizer, prompt, args.max_new_tokens, settings, options
         )
-        if settings.policy.reads_predictor:
-            from caote.learned import Predictor
-
-            Predictor.for_model(model, settings.predictor)
+        announce_predictor(model, settings)
     except ValueError as error:
         raise UsageError(str(error)) from None
     torch.manual_seed(args.seed)

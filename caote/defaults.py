@@ -16,9 +16,20 @@ PAPER_BASES = ("h2o", "tova", "snapkv")  # the base policies of the CAOTE paper,
 # the policies the CAOTE paper evaluates (arXiv 2504.14051, Tables 1-4), in report order: listed here once, for the
 # policy group "paper" (`caote.policies.POLICY_GROUPS`) and `caote bench`'s default policies (which need no torch)
 PAPER_GROUP = ("full", "streamingllm") + tuple(f"{b}{t}" for b in PAPER_BASES for t in ("", "+caote", "+fastcaote"))
-# the policy of EvictionCache, caote.generate, the pipeline and `caote generate` unless one is named: set by the
-# standard grid of docs/results.md (see the README's "Which policy" paragraph)
-DEFAULT_POLICY = "h2o+caote"
+# the policy of EvictionCache, caote.generate, the pipeline and `caote generate` unless one is named: auto, since no
+# one policy is best for every model and budget; it is resolved where the model is known (`caote.settings`)
+AUTO_POLICY = "auto"
+DEFAULT_POLICY = AUTO_POLICY
+# auto's learned policy, for a model whose predictor's validation says it helps and names none (`caote.learned`)
+AUTO_LEARNED = "learned+caote"
+# auto's training-free policy by the long grid's budget (docs/results/long.md): a budget takes the choice of the grid
+# budget nearest on a log scale (below 512, the geometric midpoint of 256 and 1024: caote-block). Each is the lowest
+# geometric mean over the complete perplexity parts (smollm2-essays-4k, smollm2-code-4k, gemma3-essays-8k) of the
+# mean KL over 10 texts, among the training-free policies of the grid (learned and oracle excluded): at 256
+# caote-block is lowest in every part (0.0789 / 0.2340 / 0.0908, snapkv+caote 0.0896 / 0.2635 / 0.0909); at 1024
+# snapkv+caote (0.0240 / 0.0830 / 0.0447; caote-block 0.0277 / 0.0816 / 0.0419, a geometric mean 2 % higher;
+# h2o+caote 0.0311 / 0.0798 / 0.0528). tests/test_auto.py recomputes it from the committed rows.
+AUTO_TRAINING_FREE = {256: "caote-block", 1024: "snapkv+caote"}
 # the learned policy's calibration (`caote calibrate`, caote.evaluation.calibration): evicting passes at these budgets
 # (on held-out dev essays one calibrated at 128 alone did as well at 256 as one calibrated at 128, 256 and 512, with a
 # third of the evicting passes: docs/results.md), these feature groups (of caote.learned.FEATURE_GROUPS), texts of this
@@ -28,4 +39,8 @@ FEATURE_GROUPS = ("scalars", "key", "value")
 DEFAULT_FEATURE_GROUPS = ("scalars", "key")
 # rows weighted by (future mass / the group's mean) ** this (caote.evaluation.calibration.mass_weights); 0: unweighted
 CALIBRATION_MASS_WEIGHT = 1.0
+CALIBRATION_ROUNDS = 2  # the second round evicts by the first round's predictor (on-policy rows; docs/results.md)
+CALIBRATION_LENGTH = 1024  # tokens per calibration excerpt, the standard grid's length ...
+CALIBRATION_WINDOWS = 4  # ... or this many sliding windows for a model mixing sliding and full layers (Gemma-3: 2,048)
+CALIBRATION_TOKENS = 40 * 1024  # excerpts per round unless --count: this many tokens (40 excerpts of 1,024)
 DEFAULT_CALIBRATION_DOMAIN = "code"  # on dev essays code beat essays (unweighted fit; weighted: not re-chosen)

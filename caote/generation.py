@@ -1,8 +1,10 @@
-"""One-call generation under a bounded KV budget, and the checks that refuse what the cache cannot serve."""
+"""One-call generation under a bounded KV budget, the checks that refuse what the cache cannot serve, and the line
+that tells a user what validation said of the predictor a policy reads."""
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,7 @@ RESERVED_ARGUMENTS = (
     "inputs",
     "attention_mask",
 )
+_announced: set[str] = set()  # the predictor verdict lines this process has printed (`announce_predictor`)
 
 
 @dataclass
@@ -181,6 +184,21 @@ def check_inputs(
     input_ids = encode_prompt(tokenizer, prompt_or_messages)
     check_length(model, input_ids.shape[-1], max_new_tokens)
     return input_ids, settings, max_new_tokens
+
+
+def announce_predictor(model, *cells: CacheSettings) -> None:
+    """Print to stderr, once per process, what validation said of the predictor that the first of ``cells`` reading
+    one reads on ``model`` (a learned policy's, or the one auto resolves with): whether it helps, or that it was
+    never validated. Used by ``caote generate``, ``caote eval`` and the pipeline; a predictor that cannot serve the
+    model is refused in one line (`CacheSettings.predictor_for`)."""
+    for settings in cells:
+        found = settings.predictor_for(model)
+        if found is not None:
+            line = found[0].verdict_line(found[1])
+            if line not in _announced:
+                _announced.add(line)
+                print(line, file=sys.stderr)
+            return
 
 
 def generate(

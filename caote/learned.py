@@ -73,6 +73,9 @@ PRODUCTS = (("log_sum", "log_age"), ("log_block_mean", "log_age"), ("log_sum", "
             ("log_value_norm", "log_sum"))  # fmt: skip
 # feature groups (`caote.defaults.FEATURE_GROUPS`): the scalars with their squares and products; the pre-RoPE key and
 # its squares; the value vector
+# the verdicts of a predictor's validation (`Predictor.helps`): the learned policy beats every training-free one
+VERDICT_HELPS = "helps"
+VERDICT_DOES_NOT_HELP = "does not help"
 PREDICTOR_DIR = Path(__file__).parent / "predictors"  # the committed predictors (of the bundled models)
 
 
@@ -285,6 +288,29 @@ class Predictor:
         if not bool(torch.isfinite(self.weights).all()):
             raise ValueError(f"predictor {source} holds NaN or infinite weights: calibrate it again (caote calibrate)")
         return self
+
+    @property
+    def validation(self) -> dict | None:
+        """What ``caote calibrate`` measured on dev excerpts it did not fit on (`caote.evaluation.validation`):
+        ``texts``, ``budgets``, ``kl`` (policy -> budget -> per-excerpt KL), ``verdict``, ``learned`` (the learned
+        policy the verdict is about); None for a predictor written before validation existed."""
+        return self.details.get("validation")
+
+    @property
+    def helps(self) -> bool:
+        """Whether validation found the learned policy better than every training-free one (`VERDICT_HELPS`)."""
+        return self.validation is not None and self.validation.get("verdict") == VERDICT_HELPS
+
+    def verdict_line(self, source: str) -> str:
+        """One line for a user loading this predictor: what validation said, or that it was never validated."""
+        validation = self.validation
+        if validation is None:
+            return f"caote: predictor {source} was not validated (calibrate it again to get a verdict)"
+        budgets = "/".join(str(budget) for budget in validation["budgets"])
+        return (
+            f"caote: predictor {source}: {validation['verdict']} ({validation['summary']}; "
+            f"{len(validation['texts'])} dev excerpts, budgets {budgets})"
+        )
 
     def layer(self, index: int, unrotate: Callable | None, sink_tokens: int) -> LayerPredictor:
         return LayerPredictor(self.weights[index], self.groups, unrotate, sink_tokens)

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, Pipeline
 from transformers.pipelines import PIPELINE_REGISTRY
 
 from caote.cache import EvictionCache
-from caote.generation import check_length, check_max_new_tokens
+from caote.generation import announce_predictor, check_length, check_max_new_tokens
 from caote.settings import FIELDS, CacheSettings
 
 TASK = "caote-text-generation"
@@ -62,7 +62,9 @@ class CaoteTextGenerationPipeline(Pipeline):
     or as its fields (defaults in `caote.defaults`). Returns ``{"answer": str}`` for ``question`` (or none) and
     ``{"answers": [str, ...]}`` for ``questions``; with ``return_stats=True`` also ``"stats"``: the `CacheStats`
     after the context and after each answer. ``chat=None`` uses the chat template when the tokenizer has one.
-    ``compress``: what the budget covers (see the module docstring). Decoding is greedy, batch size 1.
+    ``compress``: what the budget covers (see the module docstring). Decoding is greedy, batch size 1. A predictor
+    the cache reads (a learned policy's, or the one ``auto`` resolves with) has its validation verdict printed to
+    stderr once (`caote.generation.announce_predictor`).
     """
 
     _load_processor = False
@@ -131,6 +133,7 @@ class CaoteTextGenerationPipeline(Pipeline):
         question_ids = model_inputs["question_ids"]
         longest = max(ids.shape[-1] for ids in question_ids)
         check_length(self.model, context_ids.shape[-1] + longest, max_new_tokens)
+        announce_predictor(self.model, settings)
         cache = EvictionCache(self.model, settings)
         with cache:
             context_logits = self._feed(context_ids, cache, block_size)

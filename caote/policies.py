@@ -3,6 +3,8 @@
 A policy name is ``<base>`` or ``<base>+caote`` / ``<base>+fastcaote`` (e.g. ``"snapkv+fastcaote"``), plus ``"full"``
 (no eviction). A value-aware name may end in ``/<gqa>`` (``"tova+caote/mean"``) to fix how the CAOTE errors of a
 KV group's query heads combine (`caote.value_aware.GQA_AGGREGATIONS`), e.g. for an ablation in one evaluation grid.
+``"auto"`` names no policy of its own but one of these, chosen per model and budget (`is_auto`, `auto_thresholds`;
+resolved by `caote.settings.CacheSettings`).
 
 The grammar is parsed here only (`parse_policy`) and names are built here only (`policy_name`): elsewhere a name's
 parts come from its parsed `Policy`. The bases themselves are the registry of `caote.bases` (`BASE_SCORES`).
@@ -11,6 +13,7 @@ parts come from its parsed `Policy`. The bases themselves are the registry of `c
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -18,7 +21,7 @@ import torch
 
 from caote import bounds, value_aware
 from caote.bases import BASE_SCORES, BaseScore, ScoreInputs
-from caote.defaults import PAPER_GROUP
+from caote.defaults import AUTO_POLICY, AUTO_TRAINING_FREE, PAPER_GROUP
 from caote.positions import held
 
 
@@ -258,13 +261,34 @@ def parse_policy(name: str) -> Policy:
     return Policy(name, BASE_SCORES[base], transform or "none")
 
 
+def is_auto(name) -> bool:
+    """Whether ``name`` is ``"auto"``, resolved by `caote.settings.CacheSettings` rather than parsed."""
+    return isinstance(name, str) and name.strip().lower() == AUTO_POLICY
+
+
+def auto_thresholds() -> list[tuple[int, str]]:
+    """``(from budget, policy)`` of auto's training-free choices, ascending: each long-grid budget's policy
+    (`caote.defaults.AUTO_TRAINING_FREE`) serves the budgets nearer to it than to its neighbours on a log scale, so
+    from the geometric midpoint with the grid budget below it, rounded up (a budget on it takes the larger's)."""
+    grid = sorted(AUTO_TRAINING_FREE)
+    starts = [1] + [math.isqrt(lower * upper - 1) + 1 for lower, upper in zip(grid, grid[1:])]
+    return [(start, AUTO_TRAINING_FREE[budget]) for start, budget in zip(starts, grid)]
+
+
+def auto_training_free(budget: int) -> str:
+    """Auto's policy at ``budget`` for a model whose predictor does not help (`auto_thresholds`)."""
+    return [policy for start, policy in auto_thresholds() if budget >= start][-1]
+
+
 def hindsight_policies(names: list[str]) -> list[str]:
     """The policies among ``names`` that need the future (``oracle``): teacher-forced texts only."""
-    return [name for name in names if parse_policy(name).evicts and parse_policy(name).base.hindsight]
+    parsed = [(name, parse_policy(name)) for name in names if not is_auto(name)]
+    return [name for name, policy in parsed if policy.evicts and policy.base.hindsight]
 
 
 def expand_policies(spec: str) -> list[str]:
-    """``"h2o,h2o+caote"`` or a group name (``"paper"``, ``"all"``) -> validated policy names."""
+    """``"h2o,h2o+caote"`` or a group name (``"paper"``, ``"all"``) -> validated policy names (``"auto"`` kept as
+    it is)."""
     if not isinstance(spec, str):
         raise ValueError(
             f"policies must be a comma-separated string of policy names or groups ({', '.join(POLICY_GROUPS)}), "
@@ -275,7 +299,7 @@ def expand_policies(spec: str) -> list[str]:
         if not item:
             continue
         for name in POLICY_GROUPS.get(item.lower(), [item]):
-            name = parse_policy(name).name
+            name = AUTO_POLICY if is_auto(name) else parse_policy(name).name
             if name not in names:
                 names.append(name)
     if not names:
@@ -285,6 +309,16 @@ def expand_policies(spec: str) -> list[str]:
 
 def describe(name: str) -> str:
     """One line: what the policy keeps and where it comes from."""
+    if is_auto(name):
+        thresholds = auto_thresholds()
+        choices = ", ".join(
+            f"{policy} below {following[0]}" if following else f"{policy} from {start}"
+            for (start, policy), following in zip(thresholds, [*thresholds[1:], None])
+        )
+        return (
+            "the default: the model's learned policy when its predictor's validation says it helps, else the "
+            f"training-free one of lowest KL on the long grid at the budget ({choices}) [this library]"
+        )
     policy = parse_policy(name)
     if policy.base is None:
         return "keep every token (no eviction; the reference)"

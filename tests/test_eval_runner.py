@@ -132,6 +132,22 @@ def test_budget_covering_the_prompt_reuses_the_full_row(big_vocab_model, tokeniz
     assert rows[24]["evicted"] is True and rows[24]["full_score"] == rows[None]["score"]
 
 
+def test_an_examples_row_of_auto_records_what_it_resolved_to(
+    big_vocab_model, tokenizer, tmp_path, tiny_predictors, monkeypatch
+):
+    from caote.learned import Predictor
+
+    monkeypatch.setattr(Predictor, "for_model", classmethod(tiny_predictors))  # none ships for a tiny model
+    examples = _examples(1)
+    runner.run_examples(
+        big_vocab_model, tokenizer, examples, ["auto", "tova"], [24, 4096], tmp_path, "tiny", "toy", block_size=16
+    )
+    rows = {(row["policy"], row["budget"]): row for row in load_rows(tmp_path)}
+    assert rows[("auto", 24)]["resolved"] == "caote-block" and rows[("auto", 24)]["evicted"]
+    assert rows[("auto", 4096)]["resolved"] == "snapkv+caote"  # the full row reused, under auto's choice at 4096
+    assert not any("resolved" in row for (policy, _), row in rows.items() if policy != "auto")
+
+
 def test_rank_shards_split_examples_round_robin(big_vocab_model, tokenizer, tmp_path):
     examples = _examples(3)
     _run(big_vocab_model, tokenizer, tmp_path, examples, rank=1, world=2)

@@ -4,6 +4,7 @@ one stream for lengths few essays reach, and a second bundled model that loads o
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 from test_report_grids import report_config
@@ -11,6 +12,7 @@ from test_report_grids import report_config
 from caote.evaluation.data import count_tokens, essays, joined_essay_excerpts
 from caote.evaluation.grids import GEMMA_NIAH_POLICIES, LONG_GRID, LONG_TAIL, part_configs, planned_rows
 from caote.evaluation.perplexity import domain_texts
+from caote.evaluation.rows import load_rows
 from caote.models import BUNDLED, GEMMA3, check_model_name
 
 
@@ -166,6 +168,7 @@ def test_the_long_document_is_written_alone_and_spliced_into_results_md_which_th
         + _text_rows("h2o+caote", 256, [0.08, 0.10, 0.09, 0.11, 0.08, 0.09])
         + _text_rows("oracle", 256, [0.03] * 6)
     )
+    rows["gemma3-niah-8k"] = load_rows(Path(__file__).parents[1] / "docs/results/runs/long/gemma3-niah-8k")
     results_md = tmp_path / "results.md"
     results_md.write_text("# Results\n\nOLD STANDARD TEXT\n", encoding="utf-8")
     planned = planned_rows(configs)
@@ -176,10 +179,13 @@ def test_the_long_document_is_written_alone_and_spliced_into_results_md_which_th
     assert "## SmolLM2-135M-Instruct · essays (joined) · 4096 tokens" in alone
     assert "CAOTE lowers the KL from the full cache for H2O" in alone and "attn-output error" not in alone
     assert "](long_kl_vs_budget.png)" in alone  # the plot, linked from docs/results/
+    # the committed NIAH rows at three budgets and two protocols: hits against budget, a panel per protocol
+    assert "## NIAH hits against budget" in alone and "](long_niah_vs_budget.png)" in alone
+    assert (tmp_path / "results" / "long_niah_vs_budget.png").stat().st_size > 10_000
     combined = results_md.read_text(encoding="utf-8")
     assert combined.startswith("# Results\n\nOLD STANDARD TEXT\n") and combined.count(SPLICE_BEGIN) == 1
     assert "### SmolLM2-135M-Instruct · essays (joined) · 4096 tokens" in combined  # one level down
-    assert "](results/long_kl_vs_budget.png)" in combined  # linked from docs/
+    assert "](results/long_kl_vs_budget.png)" in combined and "](results/long_niah_vs_budget.png)" in combined
     write_long_md(document, LONG_GRID, configs, rows, planned, tmp_path / "results", results_md)
     assert results_md.read_text(encoding="utf-8") == combined  # rewritten in place, not appended again
     block = spliced_block(combined)

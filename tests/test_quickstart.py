@@ -1,6 +1,7 @@
 """The README's Quick start: its first block is examples/quickstart.py, it runs on the bundled model and prints what
-the README shows (the secret word found by the full cache and by the default policy), and the blocks after it run as
-written (skipped only when the bundled model's package is absent)."""
+the README shows (the secret word found by the full cache and by the default policy, auto, under the name of the
+policy it resolved to), and the blocks after it run as written (skipped only when the bundled model's package is
+absent)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from caote.models import bundled_gguf_path
+from caote.settings import CacheSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "examples" / "quickstart.py"
@@ -54,10 +56,12 @@ def stats_part(line: str) -> str:
 
 
 def test_quickstart_finds_the_secret_word_with_the_full_cache_and_the_default_policy(quickstart_run):
-    _, printed = quickstart_run
+    namespace, printed = quickstart_run
     lines = printed.strip().splitlines()
     shown = quick_start_blocks()[1][1].strip().splitlines()
-    assert [line.split(":")[0].strip() for line in lines] == ["full", "h2o+caote"]
+    resolved = CacheSettings(budget=512).for_model(namespace["model"]).policy.name  # auto, for the bundled model
+    assert [line.split(":")[0].strip() for line in lines] == ["full", resolved]
+    assert [line.split(":")[0].strip() for line in shown] == ["full", resolved]
     for line in lines:
         assert SECRET in line.split(" | ")[0], line
     # the README shows this run's output: the secret word in both answers and the same cache statistics

@@ -12,12 +12,16 @@ from caote.benchmark.config import COMMITTED_OUT, DEFAULT_OUT, DEFAULT_REPEATS, 
 
 def _policy_list(text: str) -> tuple[str, ...]:
     # start-up: the policies import torch, which `caote bench --help` does not need (only a given --policies does)
-    from caote.policies import expand_policies
+    from caote.policies import auto_thresholds, expand_policies, is_auto
 
     try:
-        return tuple(name for name in expand_policies(text) if name != "full")
+        names = tuple(name for name in expand_policies(text) if name != "full")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if any(is_auto(name) for name in names):  # a timing is of one policy, and auto's depends on model and budget
+        choices = ", ".join(policy for _, policy in auto_thresholds())
+        raise argparse.ArgumentTypeError(f"auto names no one policy to time: name those it resolves to ({choices})")
+    return names
 
 
 def _listed(values) -> str:

@@ -35,7 +35,15 @@ import torch
 from tqdm.auto import tqdm
 
 from caote.cache import EvictionCache
-from caote.defaults import CALIBRATION_BUDGETS, CALIBRATION_MASS_WEIGHT, DEFAULT_BLOCK_SIZE, DEFAULT_FEATURE_GROUPS
+from caote.defaults import (
+    CALIBRATION_BUDGETS,
+    CALIBRATION_LENGTH,
+    CALIBRATION_MASS_WEIGHT,
+    CALIBRATION_TOKENS,
+    CALIBRATION_WINDOWS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_FEATURE_GROUPS,
+)
 from caote.evaluation.data import document_excerpts, essay_names, split_of
 from caote.evaluation.lockstep import reference_pass
 from caote.evaluation.perplexity import domain_texts
@@ -277,6 +285,7 @@ def calibrate(
     model_name: str | None = None,
     rollout: Predictor | None = None,
     mass_weight: float = CALIBRATION_MASS_WEIGHT,
+    bar=None,
 ) -> Predictor:
     """Fit a `Predictor` for ``model`` on ``texts`` (`caote.evaluation.tasks.Text`, never a test-split text: see
     the module docstring), under rollouts at every budget of ``budgets``, protecting ``recent_window`` newest
@@ -285,7 +294,8 @@ def calibrate(
     sets the policy itself leaves (a second round of on-policy distillation, DAgger-like but fitted on this round's
     rows only). The held-out texts choosing the ridge strengths were then evicted by a predictor that saw them in
     its own fit: a slightly optimistic choice. ``mass_weight``: each row weighs (its future mass / its group's
-    mean) to this power (`mass_weights`; 0 weighs every row alike)."""
+    mean) to this power (`mass_weights`; 0 weighs every row alike). ``bar``: a progress bar to advance once per
+    evicting pass instead of this call's own."""
     check_mass_weight(mass_weight)
     check_calibration_texts(texts)
     if rollout is not None and (rollout.fingerprint != model_fingerprint(model) or set(rollout.groups) != set(groups)):
@@ -300,7 +310,9 @@ def calibrate(
     width = len(feature_names(groups, head_dim))
     began = time.perf_counter()
     collectors = []
-    bar = tqdm(total=len(texts) * len(budgets), desc="caote calibrate", unit="run", disable=not progress)
+    own_bar = bar is None
+    if own_bar:
+        bar = tqdm(total=len(texts) * len(budgets), desc="caote calibrate", unit="pass", disable=not progress)
     for number, text in enumerate(texts):
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)  # as the evaluation tokenises
         reference = reference_pass(model, ids, block_size, future=True, states=set())
@@ -316,10 +328,44 @@ def calibrate(
                     model.get_decoder()(input_ids=ids[:, start : start + block_size], cache=cache, use_cache=True)
             collectors.append(collector)
             bar.update()
-    bar.close()
+    if own_bar:
+        bar.close()
     rolled_out = None if rollout is None else rollout.details.get("rolled_out_by", []) + [rollout.texts]
     recipe = {"budgets": list(budgets), "recent_window": recent_window, "mass_weight": mass_weight}
     return _fit(model, collectors, groups, width, texts, recipe, began, model_name, rolled_out)
+
+
+def calibrate_rounds(model, tokenizer, texts: list, rounds: int, rollout: Predictor | None = None, **options):
+    """``rounds`` rounds of `calibrate` on ``texts``, each evicting by the previous round's predictor (the first by
+    ``rollout``, or by H2O's mass without one): the recipe of ``caote calibrate`` (two rounds by default,
+    `caote.defaults.CALIBRATION_ROUNDS`). ``options`` go to every round; the result's ``seconds`` and ``rounds`` are
+    the whole run's."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    predictor, seconds = rollout, 0.0
+    for _ in range(rounds):
+        predictor = calibrate(model, tokenizer, texts, rollout=predictor, **options)
+        seconds += predictor.details["seconds"]
+    predictor.details.update(seconds=round(seconds, 1), rounds=rounds)
+    return predictor
+
+
+def calibration_length(model) -> int:
+    """The calibration excerpts' length for ``model``: `CALIBRATION_WINDOWS` sliding windows for a model whose
+    layers mix sliding-window and full attention (the full layers, which evict, then see context the sliding ones
+    no longer cover), else `CALIBRATION_LENGTH` (the standard grid's texts)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if window and "full_attention" in layer_types and "sliding_attention" in layer_types:
+        return max(CALIBRATION_LENGTH, CALIBRATION_WINDOWS * window)
+    return CALIBRATION_LENGTH
+
+
+def default_count(length: int) -> int:
+    """How many excerpts of ``length`` tokens make `CALIBRATION_TOKENS` (the 40 excerpts of 1,024 tokens the
+    bundled model's predictor was fitted on), at least `HELD_OUT_EVERY` so a ridge strength can be chosen."""
+    return max(HELD_OUT_EVERY, round(CALIBRATION_TOKENS / length))
 
 
 def _fit(model, collectors, groups, width, texts, recipe, began, model_name, rolled_out) -> Predictor:

@@ -86,8 +86,8 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
         {
             "type": Path,
             "default": None,
-            "help": "perplexity / fidelity: the learned policies' predictor file from 'caote calibrate' (default: "
-            "the one committed for the model)",
+            "help": "perplexity / fidelity: the predictor file from 'caote calibrate' of the learned policies and "
+            "auto (default: the one committed for the model)",
         },
         "task",
     ),

@@ -50,8 +50,8 @@ class Grid:
 
 
 # try: the README's first command, real work on the bundled model in minutes (its measured time:
-# `caote.evaluation.cli.TRY_GRID_TIME`): the full cache vs the paper's bases (the default policy's among them), each
-# plain and with +caote, and streamingllm, at two budgets; NIAH hits and KL from the full cache
+# `caote.evaluation.cli.TRY_GRID_TIME`): the full cache vs the paper's bases, each plain and with +caote, and
+# streamingllm, at two budgets; NIAH hits and KL from the full cache
 TRY_GRID = Grid(
     "try",
     budgets=(128, 256),

@@ -36,7 +36,7 @@ from caote.evaluation.fidelity import AttentionCapture, FidelityMeter, measured
 from caote.evaluation.reference import FULL, UNBOUNDED
 from caote.future import FutureAttention
 from caote.layer import EvictionLayer
-from caote.policies import hindsight_policies, parse_policy
+from caote.policies import hindsight_policies, is_auto, parse_policy
 from caote.settings import CacheSettings
 from caote.value_aware import group_query_heads
 
@@ -49,14 +49,22 @@ def cell_settings(
 ) -> CacheSettings:
     """The cache settings of one policy x budget cell, for texts and examples alike: `UNBOUNDED` for the reference
     (``None``), the paper's one token evicted per decode step, the library's defaults otherwise (``predictor``: the
-    learned policies' file, None for the model's committed one)."""
+    file of the learned policies and auto, None for the model's committed one)."""
+    reads_predictor = is_auto(policy) or parse_policy(policy).reads_predictor
     return CacheSettings(
         budget=UNBOUNDED if budget is None else budget,
         policy=policy,
         block_size=block_size,
         decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
-        predictor=predictor if parse_policy(policy).reads_predictor else None,  # a grid's other policies read none
+        predictor=predictor if reads_predictor else None,  # a grid's other policies read none
     )
+
+
+def resolution(settings: CacheSettings) -> dict:
+    """What a row records of the policy its cell ran beyond its name: ``{"resolved": <policy>}`` for auto (its
+    settings resolved for the model), nothing for any other, so rows written before auto and their summaries stay
+    as they are."""
+    return {"resolved": settings.policy.name} if settings.auto else {}
 
 
 class _ReferenceCache(EvictionCache):
@@ -216,15 +224,13 @@ def track(
     ``skip_prefix`` takes the blocks before the first eviction from the reference (see `skippable_blocks`)."""
     input_ids = _check_ids(model, input_ids)
     blocks = _blocks(input_ids, reference.block_size)
-    skipped = skippable_blocks(policy, budget, reference.block_size, input_ids.shape[1]) if skip_prefix else 0
+    settings = cell_settings(policy, budget, reference.block_size, predictor).for_model(model)
+    ran = settings.policy.name  # auto's choice for the model
+    skipped = skippable_blocks(ran, budget, reference.block_size, input_ids.shape[1]) if skip_prefix else 0
     fidelity = reference.outputs is not None
     began = time.perf_counter()
     with ExitStack() as stack, torch.no_grad():
-        cache = stack.enter_context(
-            EvictionCache(
-                model, cell_settings(policy, budget, reference.block_size, predictor), future=reference.future
-            )
-        )
+        cache = stack.enter_context(EvictionCache(model, settings, future=reference.future))
         capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
         tally = _Tally(FidelityMeter(len(capture.modules)) if capture is not None else None)
         if 0 < skipped < len(blocks):
@@ -259,7 +265,8 @@ def track(
             last, last_evicted = lp[-1], evicted
     total = input_ids.shape[1]
     predictions = _scored_predictions(total, reference.block_size, reference.first_scored)
-    return _result(policy, budget, tally, reference.nll, total, predictions, time.perf_counter() - began, skipped)
+    result = _result(policy, budget, tally, reference.nll, total, predictions, time.perf_counter() - began, skipped)
+    return {**result, **resolution(settings)}
 
 
 def _result(
@@ -311,7 +318,8 @@ def lockstep_results(
     last ``scored_tail`` tokens' predictions when given: `scored_blocks`)."""
     needs_future = bool(hindsight_policies([policy for policy, _ in runs]))
     tokens = input_ids.shape[-1]
-    starts = {skippable_blocks(policy, budget, block_size, tokens) for policy, budget in runs} if skip_prefix else set()
+    ran = {run: cell_settings(*run, block_size, predictor).for_model(model).policy.name for run in runs}
+    starts = {skippable_blocks(ran[run], run[1], block_size, tokens) for run in runs} if skip_prefix else set()
     began = time.perf_counter()
     states = {s - 1 for s in starts if s}
     reference = reference_pass(model, input_ids, block_size, fidelity, needs_future, states, scored_tail)

@@ -13,7 +13,7 @@ from caote.evaluation.beyond import best_policy, beyond_records, beyond_table
 from caote.evaluation.claims import claims, claims_table
 from caote.evaluation.document import demote, headline_table, splice
 from caote.evaluation.grids import Grid
-from caote.evaluation.plots import plot_panels_vs_budget
+from caote.evaluation.plots import budgets_of, plot_panels_vs_budget
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import row_commits
 from caote.evaluation.summary import INTERVAL_NOTE, summarise_rows
@@ -28,6 +28,7 @@ TEXT_TITLES = {
 }
 OURS = ("caote-block", "learned+caote")  # our policies in this grid, judged against the paper's in each part
 PLOT = "long_kl_vs_budget.png"
+NIAH_PLOT = "long_niah_vs_budget.png"  # hits against budget, a panel per NIAH part and protocol
 
 
 def part_title(config) -> str:
@@ -114,17 +115,30 @@ def long_sections(grid: Grid, configs: dict, rows: dict, planned: dict, results:
         f"- {INTERVAL_NOTE}",
         "",
     ]
-    panels = []
+    panels, niah_panels = [], []
     for key, config in configs.items():
         part_rows = rows.get(key, [])
         pieces = summarise_rows(part_rows, config.benchmark, results / "long", plot_prefix=f"{key}_", plots=False)
         lines += _part_section(key, config, part_rows, pieces, planned.get(key))
+        title = part_title(config).replace(" (in-prompt)", "").replace(" · ", "\n", 1)
         kl = [r for r in pieces["records"] if r["metric"] == "kl" and r["task"] == "all"]
         if kl:
-            panels.append((part_title(config).replace(" · ", "\n", 1), kl))
+            panels.append((title, kl))
+        scores = [r for r in pieces["records"] if r["metric"] == "score"]
+        for protocol in sorted({r["task"] for r in scores}):
+            named = "" if protocol == "all" else f", {protocol}"
+            niah_panels.append((title + named, [r for r in scores if r["task"] == protocol]))
     plot = plot_panels_vs_budget(panels, results / PLOT, "KL(full ‖ policy), nats/token (lower is better)")
     if plot is not None:
         lines += ["## KL against budget", "", f"![KL from the full cache vs budget, one panel per part]({PLOT})", ""]
+    niah_panels = [(title, records) for title, records in niah_panels if len(budgets_of(records)) > 1]
+    if plot_panels_vs_budget(niah_panels, results / NIAH_PLOT, "NIAH hits, share of examples (higher is better)"):
+        lines += [
+            "## NIAH hits against budget",
+            "",
+            f"![NIAH hits vs budget, one panel per part and protocol]({NIAH_PLOT})",
+            "",
+        ]
     reading = results / "long_reading.md"
     if reading.is_file():
         lines += [reading.read_text(encoding="utf-8").strip(), ""]
@@ -150,11 +164,14 @@ def write_long_md(
     ]
     body = long_sections(grid, configs, rows, planned, results)
     path.parent.mkdir(parents=True, exist_ok=True)
-    relinked = "\n".join(body).replace(f"]({PLOT})", f"]({(results / PLOT).relative_to(path.parent).as_posix()})")
+    relinked = "\n".join(body)
+    for name in (PLOT, NIAH_PLOT):
+        relinked = relinked.replace(f"]({name})", f"]({(results / name).relative_to(path.parent).as_posix()})")
     path.write_text("\n".join(heading) + "\n" + relinked, encoding="utf-8")
     if results_md is not None and results_md.is_file():
-        link = (results / PLOT).relative_to(results_md.parent).as_posix()
-        spliced = "\n".join(body).replace(f"]({PLOT})", f"]({link})")
+        spliced = "\n".join(body)
+        for name in (PLOT, NIAH_PLOT):
+            spliced = spliced.replace(f"]({name})", f"]({(results / name).relative_to(results_md.parent).as_posix()})")
         section = "\n".join(
             [
                 "# Long contexts (grid `long`)",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from caote.evaluation.reference import FULL
 from caote.evaluation.tables import policy_order
-from caote.policies import parse_policy
+from caote.policies import is_auto, parse_policy
 
 
 def _pyplot():
@@ -70,7 +70,7 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
     Policies with equal values would draw on top of each other, so each line is shifted sideways by a small fixed
     fraction of a budget step (`_dodge`) and plain / +caote / +fastcaote get their own marker and line style; the
     legend sits outside the axes so it hides no error bar."""
-    if not _budgets_of(records):
+    if not budgets_of(records):
         return None
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7.5, 4.5))
@@ -81,7 +81,7 @@ def plot_metric_vs_budget(records: list[dict], path: Path, ylabel: str, title: s
 def plot_panels_vs_budget(panels: list[tuple[str, list[dict]]], path: Path, ylabel: str) -> Path | None:
     """`plot_metric_vs_budget` side by side: one panel per ``(title, records)`` (e.g. per model and kind of text),
     one legend for all."""
-    panels = [(title, records) for title, records in panels if _budgets_of(records)]
+    panels = [(title, records) for title, records in panels if budgets_of(records)]
     if not panels:
         return None
     plt = _pyplot()
@@ -98,7 +98,7 @@ def plot_panels_vs_budget(panels: list[tuple[str, list[dict]]], path: Path, ylab
     return path
 
 
-def _budgets_of(records: list[dict]) -> list[int]:
+def budgets_of(records: list[dict]) -> list[int]:
     return sorted({r["budget"] for r in records if r["budget"] != ""})
 
 
@@ -115,11 +115,30 @@ BASE_COLOURS = {
     "caote-ahead": "tab:brown",
     "learned": "tab:cyan",
 }
+MARKERS = {"none": "o", "caote": "s", "fastcaote": "^"}  # plain / +caote / +fastcaote
+# auto, a choice among the policies drawn (per model and budget): black and thick, with its own marker
+AUTO_LINE = {"color": "black", "linestyle": "-", "linewidth": 2.2}
+
+
+def _budget_line(policy: str) -> dict:
+    """How ``policy``'s line of a metric against the budget is drawn (`_draw_metric_vs_budget`): its base's colour,
+    plain / +caote / +fastcaote by marker and line style, ours thick, the oracle dashed with stars."""
+    if is_auto(policy):
+        return {"label": policy, "marker": "D", "markersize": 4, **AUTO_LINE}
+    parsed = parse_policy(policy)
+    oracle = parsed.base.hindsight
+    return {
+        "label": "oracle (hindsight ceiling)" if oracle else policy,
+        "color": BASE_COLOURS.get(parsed.base_name),
+        "marker": "*" if oracle else MARKERS[parsed.transform],
+        "markersize": 7 if oracle else 4,
+        "linestyle": "--" if oracle else _linestyle(parsed),
+        "linewidth": 2.2 if parsed.base.about.paper_base else 1.2,  # ours, beyond the paper
+    }
 
 
 def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -> None:
-    budgets = _budgets_of(records)
-    markers = {"none": "o", "caote": "s", "fastcaote": "^"}
+    budgets = budgets_of(records)
     drawn = [p for p in policy_order({r["policy"] for r in records}) if p != FULL]
     for policy in policy_order({r["policy"] for r in records}):
         chosen = sorted((r for r in records if r["policy"] == policy and r["budget"] != ""), key=lambda r: r["budget"])
@@ -130,27 +149,13 @@ def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -
             continue
         if not chosen:
             continue
-        parsed = parse_policy(policy)
         x = [r["budget"] * _dodge(drawn.index(policy), len(drawn)) for r in chosen]
         y = [r["mean"] for r in chosen]
         error = [
             [max(0.0, r["mean"] - r["ci_low"]) for r in chosen],
             [max(0.0, r["ci_high"] - r["mean"]) for r in chosen],
         ]
-        oracle = parsed.base.hindsight
-        axis.errorbar(
-            x,
-            y,
-            yerr=error,
-            label="oracle (hindsight ceiling)" if oracle else policy,
-            color=BASE_COLOURS.get(parsed.base_name),
-            capsize=2,
-            marker="*" if oracle else markers[parsed.transform],
-            markersize=7 if oracle else 4,
-            linestyle="--" if oracle else _linestyle(parsed),
-            linewidth=2.2 if parsed.base.about.paper_base else 1.2,  # ours, beyond the paper
-            alpha=0.85,
-        )
+        axis.errorbar(x, y, yerr=error, capsize=2, alpha=0.85, **_budget_line(policy))
     axis.set_xscale("log", base=2)
     axis.set_xticks(budgets, [str(b) for b in budgets])
     axis.set_xlabel("KV budget (tokens per layer)")
@@ -193,6 +198,9 @@ def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | No
     for policy in policy_order({r["policy"] for r in chosen}):
         layers = [r["fidelity_layers"] for r in chosen if r["policy"] == policy]
         mean = [sum(values) / len(values) for values in zip(*layers)]
+        if is_auto(policy):
+            axis.plot(range(len(mean)), mean, label=policy, **AUTO_LINE)
+            continue
         parsed = parse_policy(policy)
         colour = BASE_COLOURS.get(parsed.base_name) if parsed.evicts else "gray"
         axis.plot(range(len(mean)), mean, label=policy, linestyle=_linestyle(parsed), color=colour)

@@ -23,16 +23,15 @@ from caote.evaluation.calibration import check_disjoint
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.data import prompt_text
 from caote.evaluation.examples import PROTOCOLS, Example
-from caote.evaluation.lockstep import cell_settings, lockstep_results
+from caote.evaluation.lockstep import cell_settings, lockstep_results, resolution
 from caote.evaluation.metrics import score_example
 from caote.evaluation.reference import FULL, with_reference
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import RowStore, code_commit, row_key
 from caote.evaluation.tasks import Text
-from caote.generation import generate_ids
+from caote.generation import announce_predictor, generate_ids
 from caote.learned import Predictor
 from caote.pipeline import CaoteTextGenerationPipeline
-from caote.policies import parse_policy
 
 
 def progress_bar(total: int, description: str, enabled: bool, rank: int):
@@ -149,12 +148,12 @@ def run_examples(
     example's own answer length. ``bar`` (see `run_rows`) advances when a row is saved (or found done).
     """
     mine = examples[rank::num_processes]
-    work = [
-        (example, policy, None if policy == FULL else budget)
-        for example in mine
-        for policy in with_reference(policies)
-        for budget in ([None] if policy == FULL else budgets)
+    cells = [
+        (policy, budget) for policy in with_reference(policies) for budget in ([None] if policy == FULL else budgets)
     ]
+    settings_of = {cell: cell_settings(*cell, block_size).for_model(model) for cell in cells}  # auto resolved once
+    announce_predictor(model, *settings_of.values())
+    work = [(example, *cell) for example in mine for cell in cells]
     with RowStore(out, rank) as store:
         own_bar = bar is None
         if own_bar:
@@ -205,6 +204,7 @@ def run_examples(
                 "rank": rank,
                 "num_processes": num_processes,
                 "commit": commit,
+                **resolution(settings_of[(policy, budget)]),
                 **stats,
                 **(extra or {}),
             }
@@ -230,11 +230,12 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
     mine = texts[rank::world]
     policies = with_reference(config.policies)
     predictor = None if config.predictor is None else str(config.predictor)
-    bases = [parse_policy(policy).base for policy in policies]
-    if any(base is not None and base.schedule == "learned" for base in bases):
+    runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
+    cells = [cell_settings(*run, config.block_size, predictor).for_model(model) for run in runs]
+    if any(settings.policy.reads_predictor for settings in cells):  # a learned policy, or auto's choice
         calibrated = Predictor.for_model(model, predictor)
         check_disjoint(calibrated, [text.id for text in texts], config.split)  # never seen in calibration
-    runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
+    announce_predictor(model, *cells)  # after the checks: a refusal stays one line
     with RowStore(config.out, rank) as store:
         own_bar = bar is None
         if own_bar:

@@ -1,0 +1,121 @@
+"""Does a predictor help? ``caote calibrate``'s check on dev excerpts of documents its fit never read.
+
+Each excerpt is read once with the full cache and once per (policy, budget) in lockstep with it
+(`caote.evaluation.lockstep`), giving each policy's KL from the full cache. The verdict compares the learned policies
+(`LEARNED`) with the best training-free candidate (`CANDIDATES`) at each budget:
+
+    helps  <=>  for learned+caote or learned, at every budget b:
+                mean KL(learned, b) < mean KL(best candidate at b)  and  lower on >= 2/3 of the excerpts
+
+and "does not help" otherwise. The table, the verdict and the excerpts' ids are stored in the predictor's metadata
+(`caote.learned.Predictor.validation`); `auto` reads the verdict.
+"""
+
+from __future__ import annotations
+
+from caote.evaluation.calibration import document_of
+from caote.evaluation.lockstep import lockstep_results
+from caote.learned import VERDICT_DOES_NOT_HELP, VERDICT_HELPS
+
+LEARNED = ("learned+caote", "learned")
+# the training-free policies a learned one must beat: the paper's bases with CAOTE (plain and FastCAOTE left out for
+# time: on the long grid +caote was the better variant in most cells), StreamingLLM, and caote-block, the best
+# training-free policy at budget 256 on every long-grid part
+CANDIDATES = ("streamingllm", "h2o+caote", "tova+caote", "snapkv+caote", "caote-block")
+MIN_EXCERPTS = 6  # fewer held-out excerpts than this give no verdict
+WIN_SHARE = 2 / 3  # the share of excerpts on which the learned policy must be lower
+
+
+def hold_out(texts: list, excerpts: int = MIN_EXCERPTS) -> tuple[list, list]:
+    """``(fit, held)``: the documents last in ``texts``' order are held out, one by one, until they give
+    ``excerpts`` excerpts (taken a document's first excerpt each, then the second, ...), while at least half of the
+    documents remain for the fit; ``held`` is empty when that cannot reach ``excerpts``."""
+    documents = list(dict.fromkeys(document_of(text.id) for text in texts))
+    held_documents: list[str] = []
+    for document in reversed(documents):
+        if sum(document_of(text.id) in held_documents for text in texts) >= excerpts:
+            break
+        if len(held_documents) + 1 > len(documents) // 2:
+            return texts, []
+        held_documents.append(document)
+    held = [text for text in texts if document_of(text.id) in held_documents]
+    if len(held) < excerpts:
+        return texts, []
+    return [text for text in texts if document_of(text.id) not in held_documents], held[:excerpts]
+
+
+def validate(model, tokenizer, predictor_path, texts: list, budgets, bar=None) -> dict:
+    """KL from the full cache of `LEARNED` (with the predictor at ``predictor_path``) and `CANDIDATES` at every
+    budget on ``texts``, and the verdict (`judge`). ``bar``: a progress bar advanced once per (policy, budget)."""
+    runs = [(policy, budget) for policy in LEARNED + CANDIDATES for budget in budgets]
+    kl: dict[str, dict[str, list[float]]] = {policy: {str(budget): [] for budget in budgets} for policy, _ in runs}
+    for text in texts:
+        ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)
+        for result in lockstep_results(model, ids, runs, predictor=str(predictor_path)):
+            kl[result["policy"]][str(result["budget"])].append(result["kl"])
+            if bar is not None:
+                bar.update()
+    return {"texts": [text.id for text in texts], "budgets": list(budgets), "kl": kl, **judge(kl, list(budgets))}
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def judge(kl: dict, budgets: list[int]) -> dict:
+    """The verdict of a validation's ``kl`` (policy -> budget -> per-excerpt KL): ``verdict``, ``learned`` (the
+    learned policy it is about: the one meeting the rule, else the one with the lower mean KL at the smallest
+    budget) and a one-line ``summary``."""
+    best = {budget: min(CANDIDATES, key=lambda policy: mean(kl[policy][str(budget)])) for budget in budgets}
+
+    def wins(policy: str, budget: int) -> int:
+        ours, theirs = kl[policy][str(budget)], kl[best[budget]][str(budget)]
+        return sum(a < b for a, b in zip(ours, theirs))
+
+    def meets(policy: str) -> bool:
+        return all(
+            mean(kl[policy][str(b)]) < mean(kl[best[b]][str(b)])
+            and wins(policy, b) >= WIN_SHARE * len(kl[policy][str(b)])
+            for b in budgets
+        )
+
+    passing = [policy for policy in LEARNED if meets(policy)]
+    learned = passing[0] if passing else min(LEARNED, key=lambda policy: mean(kl[policy][str(budgets[0])]))
+    parts = []
+    for budget in budgets:
+        ours, theirs = mean(kl[learned][str(budget)]), mean(kl[best[budget]][str(budget)])
+        count = len(kl[learned][str(budget)])
+        parts.append(
+            f"b={budget}: {learned} {ours:.4f} vs {best[budget]} {theirs:.4f} "
+            f"({f'{ours / theirs - 1:+.0%}' if theirs > 0 else 'both zero' if ours == 0 else 'above zero'}), "
+            f"lower on {wins(learned, budget)} of {count}"
+        )
+    verdict = VERDICT_HELPS if passing else VERDICT_DOES_NOT_HELP
+    return {
+        "verdict": verdict,
+        "learned": learned,
+        "best": {str(b): best[b] for b in budgets},
+        "summary": "; ".join(parts),
+    }
+
+
+def validation_table(validation: dict) -> str:
+    """The validation as a Markdown table (mean KL per policy and budget, the best of each column in bold), then
+    the verdict."""
+    budgets = [str(budget) for budget in validation["budgets"]]
+    kl = validation["kl"]
+    lowest = {budget: min(mean(kl[policy][budget]) for policy in kl) for budget in budgets}
+    lines = [
+        f"validation on {len(validation['texts'])} dev excerpts of documents the fit did not read "
+        "(mean KL from the full cache; lower is better):",
+        "| policy | " + " | ".join(f"b={budget}" for budget in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    for policy in kl:
+        cells = []
+        for budget in budgets:
+            value = mean(kl[policy][budget])
+            cells.append(f"**{value:.4f}**" if value == lowest[budget] else f"{value:.4f}")
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    lines.append(f"verdict: the predictor {validation['verdict']} ({validation['summary']})")
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""The ``auto`` policy, the default everywhere: resolved per model and budget, recorded under both names, and its
+table of training-free choices recomputed from the committed rows of the long grid."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+import pytest
+import torch
+from conftest import RandomIds, random_ids, tiny_model
+
+import caote
+from caote.cache import EvictionCache
+from caote.cli import build_parser, main
+from caote.defaults import AUTO_TRAINING_FREE, DEFAULT_BUDGET
+from caote.evaluation import runner
+from caote.evaluation.config import EvalConfig
+from caote.evaluation.grids import LONG_GRID
+from caote.evaluation.registry import TASKS
+from caote.evaluation.rows import load_rows
+from caote.evaluation.tasks import Text
+from caote.learned import Predictor, feature_names, model_fingerprint
+from caote.policies import auto_training_free, parse_policy
+from caote.settings import CacheSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG_RUNS = ROOT / "docs" / "results" / "runs" / "long"
+COMPLETE_PARTS = ("smollm2-essays-4k", "smollm2-code-4k", "gemma3-essays-8k")  # the table's evidence
+
+
+@pytest.fixture
+def nothing_shipped(tiny_predictors, monkeypatch):
+    """Tiny models as they are: no predictor ships for them (none calibrated on the fly, see conftest)."""
+    monkeypatch.setattr(Predictor, "for_model", classmethod(tiny_predictors))
+
+
+def predictor_file(model, folder: Path, verdict: str, learned: str = "learned+caote", texts=("code-dev-1",)) -> str:
+    """A predictor of ``model`` (zero weights of its shape) whose validation gave ``verdict``, saved in ``folder``."""
+    groups = ("scalars",)
+    shape = (model.config.num_hidden_layers, model.config.num_key_value_heads)
+    validation = {
+        "verdict": verdict,
+        "learned": learned,
+        "summary": f"{learned} against the best training-free policy",
+        "texts": list(texts),
+        "budgets": [128, 512],
+        "kl": {},
+    }
+    weights = torch.zeros(*shape, len(feature_names(groups, model.config.head_dim)))
+    predictor = Predictor(weights, groups, "tiny", model_fingerprint(model), list(texts), {"validation": validation})
+    return str(predictor.save(folder / f"{verdict.replace(' ', '-')}-{learned}.safetensors"))
+
+
+# -- the resolution ------------------------------------------------------------------------------------------------
+
+
+def test_without_a_predictor_auto_takes_the_training_free_policy_of_the_budget(llama, nothing_shipped):
+    assert EvictionCache(llama, budget=256).policy.name == "caote-block"
+    assert EvictionCache(llama, budget=1024).policy.name == "snapkv+caote"
+    # no model needed for this step: a budget takes the choice of the long grid's budget nearest on a log scale
+    chosen = [auto_training_free(budget) for budget in (1, 511, 512, 4096)]
+    assert chosen == ["caote-block", "caote-block", "snapkv+caote", "snapkv+caote"]
+    assert CacheSettings(budget=511).policy.name == "caote-block" != CacheSettings(budget=512).policy.name
+
+
+@pytest.mark.parametrize("learned", ["learned+caote", "learned"])
+def test_a_predictor_that_helps_upgrades_auto_to_the_learned_policy_it_names(llama, tmp_path, learned):
+    path = predictor_file(llama, tmp_path, "helps", learned)
+    cache = EvictionCache(llama, budget=256, predictor=path)
+    assert cache.policy.name == learned and cache.settings.auto and cache.settings.requested == "auto"
+    assert cache.settings.replace(budget=1024).policy.name == learned  # a learned choice does not hang on the budget
+
+
+def test_a_predictor_that_does_not_help_leaves_auto_training_free(llama, tmp_path):
+    path = predictor_file(llama, tmp_path, "does not help")
+    assert EvictionCache(llama, budget=256, predictor=path).policy.name == "caote-block"
+    assert EvictionCache(llama, budget=1024, predictor=path).policy.name == "snapkv+caote"
+
+
+def test_a_given_predictor_that_cannot_serve_the_model_is_refused_not_skipped(llama, tmp_path):
+    with pytest.raises(ValueError, match="^cannot read predictor .*missing.safetensors"):
+        EvictionCache(llama, budget=256, predictor=str(tmp_path / "missing.safetensors"))
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(ValueError, match="was calibrated for 'tiny', not this model"):
+        EvictionCache(other, budget=256, predictor=predictor_file(llama, tmp_path, "helps"))
+
+
+def test_replace_chooses_again_for_a_new_budget_and_a_named_policy_ends_auto():
+    settings = CacheSettings(budget=256)
+    assert settings.policy.name == "caote-block" and settings.auto
+    assert settings.replace(budget=1024).policy.name == "snapkv+caote"
+    named = settings.replace(policy="h2o")
+    assert (named.policy.name, named.auto, named.requested) == ("h2o", False, "h2o")
+    assert named.replace(policy="auto", budget=1024).requested == "auto"
+    assert CacheSettings.of(settings) is settings
+
+
+def test_auto_accepts_a_predictor_which_every_other_non_learned_policy_refuses():
+    assert CacheSettings(budget=256, predictor="p.safetensors").predictor == "p.safetensors"
+    with pytest.raises(ValueError, match="^policy 'caote-block' reads no predictor, .* or 'auto', or leave it out$"):
+        CacheSettings(budget=256, policy="caote-block", predictor="p.safetensors")
+
+
+def test_too_small_a_budget_is_refused_in_one_line_naming_what_auto_resolved_to(llama, tmp_path):
+    with pytest.raises(ValueError) as error:
+        CacheSettings(budget=5)
+    assert str(error.value) == (
+        "budget 5 leaves no room to choose: it must exceed sink_tokens + recent_window = 4 + 1 "
+        "(policy auto resolved to 'caote-block')"
+    )
+    with pytest.raises(ValueError, match=r"= 4 \+ 16 \(policy auto resolved to 'learned\+caote'\)$") as error:
+        EvictionCache(llama, budget=20, predictor=predictor_file(llama, tmp_path, "helps"))  # learned keeps 16 recent
+    assert "\n" not in str(error.value)
+
+
+# -- both names, wherever a policy is reported ---------------------------------------------------------------------
+
+
+def test_stats_and_repr_record_the_policy_run_and_the_one_asked_for(llama, nothing_shipped):
+    with EvictionCache(llama, budget=40) as cache, torch.no_grad():
+        llama(input_ids=random_ids(80), cache=cache, use_cache=True)
+    stats = cache.stats()
+    assert (stats.policy, stats.requested, stats.tokens_kept) == ("caote-block", "auto", 40)
+    assert repr(cache).startswith("EvictionCache(policy='caote-block' (auto), budget=40,")
+    named = EvictionCache(llama, budget=40, policy="h2o")
+    assert (named.stats().policy, named.stats().requested) == ("h2o", "h2o")
+    assert repr(named).startswith("EvictionCache(policy='h2o', budget=40,")
+
+
+@pytest.mark.parametrize("verdict, resolved", [("helps", "learned+caote"), ("does not help", "caote-block")])
+def test_an_eval_row_of_auto_records_what_it_resolved_to_and_the_verdict_is_printed_once(
+    llama, tmp_path, capsys, verdict, resolved
+):
+    path = predictor_file(llama, tmp_path, verdict)
+    config = EvalConfig(
+        benchmark="perplexity",
+        model="tiny",
+        policies=["auto", "tova"],
+        budgets=[24, 40],
+        lengths=[0],
+        out=tmp_path / "rows",
+        block_size=16,
+        progress=False,
+        predictor=Path(path),
+    )
+    texts = [Text("text-a", 96, "x" * 5, "a"), Text("text-b", 96, "x" * 6, "b")]
+    assert runner.run_texts(config, llama, RandomIds(96), texts) == 2 * 5
+    rows = load_rows(config.out)
+    assert {row["resolved"] for row in rows if row["policy"] == "auto"} == {resolved}
+    assert not any("resolved" in row for row in rows if row["policy"] != "auto")  # other rows as before auto
+    err = capsys.readouterr().err
+    line = f"caote: predictor {path!r}: {verdict} (learned+caote against the best training-free policy; 1 dev excerpts"
+    assert err.count(line) == 1, err
+
+
+def test_auto_is_refused_on_texts_its_learned_choice_was_calibrated_on(llama, tmp_path):
+    path = predictor_file(llama, tmp_path, "helps", texts=("text-a",))
+    config = EvalConfig("perplexity", "tiny", ["auto"], [24], [0], out=tmp_path, block_size=16, predictor=Path(path))
+    with pytest.raises(ValueError, match="calibrated on the documents of 1 of the texts"):
+        runner.run_texts(config, llama, RandomIds(96), [Text("text-a", 96, "x", "a")])
+
+
+@pytest.fixture
+def vocab_model(tokenizer):
+    """A tiny Llama the bundled tokenizer can drive."""
+    return tiny_model("llama", vocab_size=49152, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("verdict, resolved", [("helps", "learned+caote"), ("does not help", "snapkv+caote")])
+def test_caote_generate_prints_the_verdict_and_names_both_policies(
+    vocab_model, tokenizer, tmp_path, capsys, monkeypatch, verdict, resolved
+):
+    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (vocab_model, tokenizer))
+    path = predictor_file(vocab_model, tmp_path, verdict)
+    code = main(["generate", "hello there", "--no-chat", "--max-new-tokens", "2", "--stats", "--predictor", path])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"caote: predictor {path!r}: {verdict} (" in err and f"policy auto -> {resolved}\n" in err
+
+
+def test_rows_of_auto_are_summarised_and_drawn_as_a_policy_of_their_own(tmp_path):
+    from caote.evaluation.summary import summarise_rows
+
+    def row(policy, budget, unit, kl):
+        return {"benchmark": "perplexity", "example_id": f"essay-{unit}", "unit": unit, "policy": policy,
+                "budget": budget, "kl": kl, "ppl_delta": kl, "ppl_full": 25.0, "fidelity": kl,
+                "fidelity_layers": [kl, kl], "tokens": 1024, "seconds": 1.0}  # fmt: skip
+
+    rows = [row("full", None, unit, 0.0) for unit in "ab"]
+    rows += [row(policy, budget, unit, 0.1) for policy in ("auto", "h2o") for budget in (128, 256) for unit in "ab"]
+    pieces = summarise_rows(rows, "perplexity", tmp_path)
+    assert {(r["policy"], r["budget"]) for r in pieces["records"] if r["metric"] == "kl"} >= {("auto", 128)}
+    assert (tmp_path / "perplexity_kl_vs_budget.png").is_file() and (tmp_path / "fidelity_layers_b128.png").is_file()
+
+
+def test_auto_is_a_name_the_evaluation_takes_and_the_benchmark_refuses(capsys):
+    from caote.evaluation.config import config_from_args
+    from caote.policies import expand_policies, hindsight_policies
+
+    assert expand_policies("auto,h2o,Auto") == ["auto", "h2o"] and hindsight_policies(["auto", "oracle"]) == ["oracle"]
+    arguments = ["eval", "perplexity", "--policies", "auto,tova", "--budgets"]
+    assert config_from_args(build_parser().parse_args([*arguments, "256"])).policies == ["auto", "tova"]
+    with pytest.raises(ValueError, match=r"^--budgets: 5 is too small for auto \(.*resolved to 'caote-block'\)\)$"):
+        config_from_args(build_parser().parse_args([*arguments, "5"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--policies", "auto"])
+    assert "auto names no one policy to time: name those it resolves to (caote-block" in capsys.readouterr().err
+
+
+# -- the default everywhere ----------------------------------------------------------------------------------------
+
+
+def test_auto_is_the_default_of_the_settings_generate_the_pipeline_and_the_cli(vocab_model, tokenizer, nothing_shipped):
+    from transformers import pipeline
+
+    from caote.pipeline import TASK
+
+    assert CacheSettings().requested == "auto"
+    assert CacheSettings().policy.name == auto_training_free(DEFAULT_BUDGET)
+    assert build_parser().parse_args(["generate", "hi"]).policy == "auto"
+    result = caote.generate(vocab_model, tokenizer, "hello there", budget=32, max_new_tokens=2, return_stats=True)
+    assert (result.stats.requested, result.stats.policy) == ("auto", "caote-block")
+    pipe = pipeline(TASK, model=vocab_model, tokenizer=tokenizer)
+    stats = pipe("hello there " * 30, question="Who?", budget=32, max_new_tokens=2, return_stats=True)["stats"]
+    assert {(item.requested, item.policy) for item in stats} == {("auto", "caote-block")}
+
+
+def test_the_pipeline_prints_the_verdict_of_the_predictor_it_reads_once(vocab_model, tokenizer, tmp_path, capsys):
+    from transformers import pipeline
+
+    from caote.pipeline import TASK
+
+    path = predictor_file(vocab_model, tmp_path, "does not help")
+    pipe = pipeline(TASK, model=vocab_model, tokenizer=tokenizer)
+    for _ in range(2):
+        pipe("hello there " * 30, question="Who?", budget=32, max_new_tokens=2, predictor=path)
+    assert capsys.readouterr().err.count(f"caote: predictor {path!r}: does not help (") == 1
+
+
+# -- the table, from the committed rows of the long grid -----------------------------------------------------------
+
+
+def long_grid_choices() -> tuple[dict[int, str], list[str]]:
+    """Per budget of the long grid, the training-free policy of lowest geometric mean, over the perplexity parts
+    whose every cell holds all its texts, of its mean KL; and those parts."""
+    logs: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    complete = []
+    for part in LONG_GRID.parts:
+        if TASKS[part.task].texts is None:  # NIAH: no KL
+            continue
+        policies = [name for name in part.policies or LONG_GRID.policies if training_free(name)]
+        cells = [(policy, budget) for policy in policies for budget in LONG_GRID.budgets]
+        kl: dict[tuple, dict[str, float]] = defaultdict(dict)
+        for row in load_rows(LONG_RUNS / part.key):
+            kl[(row["policy"], row["budget"])][row["example_id"]] = row["kl"]
+        if any(len(kl[cell]) < part.samples for cell in cells):  # still being computed
+            continue
+        complete.append(part.key)
+        for policy, budget in cells:
+            logs[budget][policy] += math.log(mean(kl[(policy, budget)].values()))
+    return {budget: min(logs[budget], key=logs[budget].get) for budget in LONG_GRID.budgets}, complete
+
+
+def training_free(name: str) -> bool:
+    policy = parse_policy(name)
+    return policy.evicts and not policy.reads_predictor and not policy.base.hindsight
+
+
+def test_autos_table_is_the_long_grids_lowest_kl_at_each_budget():
+    choices, complete = long_grid_choices()
+    assert set(COMPLETE_PARTS) <= set(complete), complete
+    assert choices == AUTO_TRAINING_FREE

@@ -1,0 +1,168 @@
+"""`caote calibrate`'s recipe: rounds, the length rule, the held-out documents, the validation and its verdict."""
+
+from __future__ import annotations
+
+import pytest
+from test_cli import run_main
+
+from caote.evaluation.calibration import calibration_length, default_count
+from caote.evaluation.tasks import Text
+from caote.evaluation.validation import CANDIDATES, LEARNED, hold_out, judge, validation_table
+from caote.learned import VERDICT_DOES_NOT_HELP, VERDICT_HELPS, Predictor
+from caote.testing import tiny_model
+
+
+def texts_of(excerpts_per_document: dict[str, int]) -> list[Text]:
+    """Excerpt ids as `calibration_texts` orders them: every document's first excerpt, then the second, ..."""
+    texts, round_ = [], 1
+    while any(count >= round_ for count in excerpts_per_document.values()):
+        for name, count in excerpts_per_document.items():
+            if count >= round_:
+                suffix = f"-{round_}" if round_ > 1 else ""
+                texts.append(Text(f"code-{name}-1024{suffix}", 1024, "text", name))
+        round_ += 1
+    return texts
+
+
+def test_hold_out_takes_whole_documents_from_the_end_until_six_excerpts():
+    texts = texts_of({"a": 5, "b": 5, "c": 5, "d": 2, "e": 5})
+    fit, held = hold_out(texts)
+    assert [text.id for text in held] == ["code-d-1024", "code-e-1024", "code-d-1024-2", "code-e-1024-2",
+                                          "code-e-1024-3", "code-e-1024-4"]  # fmt: skip
+    assert not {text.unit for text in fit} & {"d", "e"} and len(fit) == 15
+
+
+def test_hold_out_keeps_half_of_the_documents_for_the_fit_or_holds_out_nothing():
+    assert hold_out(texts_of({"a": 9, "b": 9}))[1][0].unit == "b"  # one of two documents, 6 of its 9 excerpts
+    texts = texts_of({"a": 3, "b": 3, "c": 2})
+    assert hold_out(texts) == (texts, [])  # one document of three gives 2 or 3 excerpts: no verdict
+    assert hold_out(texts_of({"only": 40}))[1] == []
+
+
+def kl_table(learned: list[float], best: list[float], budgets=(128, 512)) -> dict:
+    table = {policy: {str(b): [1.0] * len(best) for b in budgets} for policy in LEARNED + CANDIDATES}
+    for budget in budgets:
+        table["learned+caote"][str(budget)] = list(learned)
+        table["learned"][str(budget)] = [value + 0.5 for value in learned]
+        table["snapkv+caote"][str(budget)] = list(best)
+    return table
+
+
+def test_the_verdict_needs_a_lower_mean_and_two_thirds_of_the_excerpts_at_every_budget():
+    best = [0.5] * 6
+    helps = judge(kl_table([0.4, 0.4, 0.4, 0.4, 0.6, 0.6], best), [128, 512])
+    assert helps["verdict"] == VERDICT_HELPS and helps["learned"] == "learned+caote"
+    assert helps["best"] == {"128": "snapkv+caote", "512": "snapkv+caote"}
+    assert "lower on 4 of 6" in helps["summary"] and "-7%" in helps["summary"]
+    # a lower mean from one excerpt is not enough
+    lucky = judge(kl_table([0.1, 0.6, 0.6, 0.6, 0.4, 0.4], best), [128, 512])
+    assert lucky["verdict"] == VERDICT_DOES_NOT_HELP and "lower on 3 of 6" in lucky["summary"]
+    # most excerpts lower but a higher mean
+    heavy_tail = judge(kl_table([0.45] * 5 + [2.0], best), [128, 512])
+    assert heavy_tail["verdict"] == VERDICT_DOES_NOT_HELP
+
+
+def test_the_table_marks_the_lowest_kl_and_states_the_verdict():
+    validation = {"texts": ["t"] * 6, "budgets": [128, 512], "kl": kl_table([0.4] * 6, [0.5] * 6)}
+    validation.update(judge(validation["kl"], [128, 512]))
+    table = validation_table(validation)
+    assert "| learned+caote | **0.4000** | **0.4000** |" in table and "| snapkv+caote | 0.5000 | 0.5000 |" in table
+    assert table.splitlines()[-1].startswith("verdict: the predictor helps (b=128: learned+caote 0.4000 vs")
+
+
+def test_the_calibration_length_follows_the_model():
+    assert calibration_length(tiny_model("llama")) == 1024
+    hybrid = tiny_model("gemma3_text")  # sliding layers (window 40) and full ones: 4 windows, never below 1024
+    assert calibration_length(hybrid) == 1024
+    hybrid.config.get_text_config().sliding_window = 512
+    assert calibration_length(hybrid) == 2048
+    assert default_count(1024) == 40 and default_count(2048) == 20 and default_count(10**6) == 4
+
+
+def folder_of_texts(tmp_path, documents: int = 4, lines: int = 120):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for index in range(documents):
+        (folder / f"doc{index}.txt").write_text(f"document {index} says line {index} of its own text\n" * lines)
+    return folder
+
+
+@pytest.fixture
+def tiny_calibration(monkeypatch, tokenizer):
+    """`caote calibrate` on a tiny random Llama (256 positions) with the bundled tokenizer."""
+    model = tiny_model("llama", vocab_size=49152, max_position_embeddings=256)
+    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (model, tokenizer))
+    return model
+
+
+def test_calibrate_runs_two_rounds_validates_on_held_out_documents_and_stores_the_verdict(
+    capsys, tiny_calibration, tmp_path
+):
+    out = tmp_path / "mine.safetensors"
+    folder = folder_of_texts(tmp_path)
+    code, stdout, err = run_main(
+        capsys, "calibrate", "--texts", str(folder), "--length", "256", "--budgets", "40", "--out", str(out),
+        "--validation-budgets", "40,100",
+    )  # fmt: skip
+    assert code == 0, err
+    predictor = Predictor.load(out)
+    assert predictor.details["rounds"] == 2 and len(predictor.details["rolled_out_by"]) == 1
+    validation = predictor.validation
+    held = {text_id.split("-")[1] for text_id in validation["texts"]}
+    assert len(validation["texts"]) == 6 and held.isdisjoint({text_id.split("-")[1] for text_id in predictor.texts})
+    assert validation["budgets"] == [40, 100] and set(validation["kl"]) == set(LEARNED + CANDIDATES)
+    assert validation["verdict"] in (VERDICT_HELPS, VERDICT_DOES_NOT_HELP)
+    assert all(value > 0 for runs in validation["kl"].values() for value in runs["100"])  # every excerpt evicted
+    assert "x 2 rounds" in stdout and f"verdict: the predictor {validation['verdict']} (" in stdout
+    assert predictor.helps == (validation["verdict"] == VERDICT_HELPS)
+    assert predictor.verdict_line("mine").startswith(f"caote: predictor mine: {validation['verdict']} (b=40: ")
+    # validating it again fits nothing and finds the same verdict on the same excerpts
+    again = tmp_path / "again.safetensors"
+    code, stdout, err = run_main(
+        capsys, "calibrate", "--texts", str(folder), "--length", "256", "--validate", str(out), "--out", str(again),
+        "--validation-budgets", "40,100",
+    )  # fmt: skip
+    assert code == 0, err
+    assert Predictor.load(again).validation["kl"] == validation["kl"]
+    assert (Predictor.load(again).weights == predictor.weights).all()
+
+
+def test_too_few_documents_give_no_verdict_and_say_so(capsys, tiny_calibration, tmp_path):
+    out = tmp_path / "mine.safetensors"
+    folder = folder_of_texts(tmp_path, documents=2, lines=60)
+    args = ["--texts", str(folder), "--length", "128", "--budgets", "40", "--rounds", "1", "--out", str(out)]
+    code, stdout, err = run_main(capsys, "calibrate", *args)
+    assert code == 0, err
+    assert "leave fewer than 6 excerpts to validate on" in err and "carries no verdict" in stdout
+    assert Predictor.load(out).validation is None
+    assert "was not validated" in Predictor.load(out).verdict_line("mine")
+
+
+@pytest.mark.parametrize("stage", ["fit", "validation"])
+def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calibration, tmp_path, monkeypatch, stage):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    target = "caote.evaluation.calibration.calibrate" if stage == "fit" else "caote.evaluation.validation.validate"
+    monkeypatch.setattr(target, interrupted)
+    out = tmp_path / "mine.safetensors"
+    args = ["--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--budgets", "40", "--out", str(out)]
+    code, _, err = run_main(capsys, "calibrate", *args)
+    assert code == 130 and err.endswith("caote calibrate: interrupted\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["texts"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rounds", "0"], "argument --rounds: must be a positive integer, got '0'"),
+        (["--validation-budgets", "128,x"], "--validation-budgets must be comma-separated values"),
+        (["--validate", "no.safetensors"], "--validate 'no.safetensors' is not a file"),
+        (["--validation-budgets", "16"], "budget 16 leaves no room to choose"),
+        (["--validation-budgets", "30"], "--validation-budgets: budget 30 leaves no room to choose: it must exceed"),
+    ],
+)
+def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch, args, message):
+    monkeypatch.setattr("caote.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, out, err = run_main(capsys, "calibrate", "--out", "p.safetensors", *args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
