@@ -195,9 +195,9 @@ LONG_GRID = Grid(
         "no attention-output fidelity.",
         "Essays at 4k-8k tokens are windows of the test split's essays joined into one stream (file-name order, a "
         "blank line between essays): a window spans several essays and is the unit the intervals resample.",
-        "learned+caote uses the model's committed predictor, each calibrated on the same 40 dev code excerpts of "
-        "1,024 tokens: SmolLM2's in two rounds of the weighted fit at budget 128 (`caote calibrate --count 40`, "
-        "then again with `--rollout-predictor`), Gemma-3's in one unweighted round at budgets 128, 256 and 512.",
+        "learned+caote uses the model's committed predictor, each from two weighted rounds of `caote calibrate` at "
+        "budget 128 on dev code: SmolLM2's on 40 excerpts of 1,024 tokens, Gemma-3's on 20 excerpts of 2,048 "
+        "(four sliding windows).",
     ),
     own_document="long.md",
 )
