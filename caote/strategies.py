@@ -70,11 +70,11 @@ class Immediate:
         if the layer overflows: to ``budget`` after a prompt block, ``budget - interval + 1`` after a decode step
         (a decode step in place: at the end of the forward, with the step's other layers)."""
         record(layer, module, queries, mask, kwargs, real, rows, output)
-        if layer.retained > self.settings.budget:
+        if layer.retained > layer.settings.budget:
             if self.evicts_together and layer.in_place and layer.new_tokens == 1:
                 self._waiting[index] = layer
                 return
-            kept = self.settings.kept_after(layer.new_tokens)
+            kept = layer.settings.kept_after(layer.new_tokens)
             layer.evict(kept, cache.random_generator, **self.inputs(index, layer))
 
     def inputs(self, index: int, layer) -> dict:
@@ -151,7 +151,7 @@ class LookAhead(Immediate):
             self._record_draft(index, layer, module, queries, mask, kwargs, real)
         elif layer.new_tokens > 1:
             record(layer, module, queries, mask, kwargs, real)
-            if layer.retained > self.settings.budget:
+            if layer.retained > layer.settings.budget:
                 self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's rows are seen
         else:
             super().after_attention(cache, index, layer, module, queries, mask, kwargs, real, rows, output)
@@ -185,7 +185,7 @@ class LookAhead(Immediate):
             layer = cache.layers[index]
             layer.truncate(tokens)
             ahead = torch.cat(drafted[index], dim=-2) if index in drafted else None
-            layer.evict(self.settings.budget, cache.random_generator, ahead_rows=ahead)
+            layer.evict(layer.settings.budget, cache.random_generator, ahead_rows=ahead)
         return list(pending)
 
 
