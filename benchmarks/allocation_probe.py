@@ -34,10 +34,10 @@ import torch
 from tqdm import tqdm
 
 import caote.evaluation.lockstep as lockstep
-from caote.attention import sliding_windows
 from caote.cache import EvictionCache
 from caote.evaluation.calibration import calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
+from caote.evaluation.reference import UNBOUNDED
 from caote.layer import EvictionLayer
 from caote.learned import Predictor
 from caote.models import load_model
@@ -46,13 +46,9 @@ POLICIES = ("learned+caote", "tova+caote", "h2o+caote", "oracle")
 
 
 def evicting_layers(model) -> list[int]:
-    """The layers an `EvictionCache` evicts: all, or a hybrid model's full-attention ones."""
-    windows = sliding_windows(model)
-    return (
-        list(range(len(windows)))
-        if all(w is not None for w in windows)
-        else [index for index, window in enumerate(windows) if window is None]
-    )
+    """The layers an `EvictionCache` evicts (all, or a hybrid model's full-attention ones), by the cache's own rule."""
+    with EvictionCache(model, budget=UNBOUNDED, policy="full") as cache:
+        return [index for index, layer in enumerate(cache.layers) if isinstance(layer, EvictionLayer)]
 
 
 def captured_curve(future, layers: list[int], heads: int, tokens: int, block_size: int, longest: int) -> torch.Tensor:
@@ -79,7 +75,7 @@ def allocate(curves: torch.Tensor, budget: int, step: int, floor: int, cap: int)
     budgets = [floor] * layers
     for _ in range((layers * budget - sum(budgets)) // step):
         gains = [
-            curves[layer, min(b + step, longest)] - curves[layer, b] if b + step <= min(cap, longest) else -1.0
+            curves[layer, b + step] - curves[layer, b] if b + step <= min(cap, longest) else -1.0
             for layer, b in enumerate(budgets)
         ]
         budgets[max(range(layers), key=lambda layer: gains[layer])] += step
@@ -154,7 +150,8 @@ def main() -> None:
     predictor = Predictor.for_model(model)
     block = 128
     longest = 4 * max(budgets)
-    fitting = [text for text in calibration_texts(tokenizer, "code", args.length) if text.id in set(predictor.texts)]
+    fitted = set(predictor.texts)
+    fitting = [text for text in calibration_texts(tokenizer, "code", args.length) if text.id in fitted]
     fitting = fitting[: args.calibration_texts]
     layers, heads = evicting_layers(model), model.config.num_key_value_heads
     curves = []
@@ -208,19 +205,18 @@ def table(rows: list[dict], budgets: list[int]) -> str:
     lines = ["| policy | allocation | " + " | ".join(f"KL b={b}; vs uniform; lower on" for b in budgets) + " |"]
     lines.append("|---|---|" + "---|" * len(budgets))
     keys = list(dict.fromkeys((row["policy"], row["allocation"]) for row in rows))
+
+    def kl_by_text(policy: str, allocation: str, budget: int) -> dict[str, float]:
+        return {
+            r["text"]: r["kl"]
+            for r in rows
+            if (r["policy"], r["allocation"], r["budget"]) == (policy, allocation, budget)
+        }
+
     for policy, allocation in keys:
         cells = []
         for b in budgets:
-            mine = {
-                r["text"]: r["kl"]
-                for r in rows
-                if (r["policy"], r["allocation"], r["budget"]) == (policy, allocation, b)
-            }
-            base = {
-                r["text"]: r["kl"]
-                for r in rows
-                if (r["policy"], r["allocation"], r["budget"]) == (policy, "uniform", b)
-            }
+            mine, base = kl_by_text(policy, allocation, b), kl_by_text(policy, "uniform", b)
             mean, uniform = statistics.mean(mine.values()), statistics.mean(base.values())
             lower = sum(mine[t] < base[t] for t in mine)
             cells.append(f"{mean:.4f}; {100 * (mean / uniform - 1):+.0f} %; {lower}/{len(mine)}")
