@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies",
         type=_policy_list,
         default=defaults.policies,
-        help="eviction policies, comma-separated or a group (default: streamingllm, h2o/tova/snapkv each with "
-        "+caote and +fastcaote)",
+        help="eviction policies, comma-separated or a group (default: streamingllm, h2o/tova/snapkv each plain, "
+        "+caote and +fastcaote, and learned+caote)",
     )
     parser.add_argument(
         "--decode-policies",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from caote.defaults import AUTO_LEARNED as LEARNED_POLICY
 from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_DECODE_EVICTION_INTERVAL, PAPER_GROUP
 
 FULL_SDPA = "full-sdpa"
@@ -13,9 +14,9 @@ FULL_BLOCKS = "full-blocks"
 FULL_AT_BUDGET = "full@b"
 FULL_CONFIGURATIONS = (FULL_SDPA, FULL_BLOCKS, FULL_AT_BUDGET)
 BASELINE_POLICY = "streamingllm"
-# the committed run: the paper's evicting policies, BASELINE_POLICY first (ours beyond the paper are measured with
-# --policies; docs/performance.md)
-DEFAULT_POLICIES = tuple(name for name in PAPER_GROUP if name != "full")
+# the committed run: the paper's evicting policies, BASELINE_POLICY first, and the learned policy `auto` resolves to on
+# the bundled model (other policies beyond the paper are measured with --policies; docs/performance.md)
+DEFAULT_POLICIES = (*(name for name in PAPER_GROUP if name != "full"), LEARNED_POLICY)
 DEFAULT_DECODE_POLICIES = (
     "streamingllm",
     "h2o",
@@ -24,6 +25,7 @@ DEFAULT_DECODE_POLICIES = (
     "tova+caote",
     "tova+fastcaote",
     "snapkv+caote",
+    LEARNED_POLICY,
 )
 # decode rounds hold every decode configuration's cache at once: up to the contexts the targets name
 DECODE_ROUNDS_UP_TO = 8192

