@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_policy_list,
         default=defaults.policies,
         help="eviction policies, comma-separated or a group (default: streamingllm, h2o/tova/snapkv each plain, "
-        "+caote and +fastcaote, and learned+caote)",
+        "+caote and +fastcaote, learned+caote and caote-block)",
     )
     parser.add_argument(
         "--decode-policies",
