@@ -15,7 +15,7 @@ import importlib.util
 
 from caote._registration import install as _install_pipeline_registration
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> the submodule that defines it (imported on first attribute access, PEP 562)
 _LAZY = {
