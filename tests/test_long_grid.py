@@ -154,8 +154,8 @@ def test_the_oracle_gap_table_names_the_best_paper_policy_per_budget():
     assert "| 1024 | – | – | – | – |" in table
 
 
-def test_the_long_document_is_written_alone_and_spliced_into_results_md_which_the_standard_writer_keeps(tmp_path):
-    from caote.evaluation.document import SPLICE_BEGIN, SPLICE_END, spliced_block, write_results_md
+def test_the_long_document_is_written_alone_and_results_md_links_it_tables_first(tmp_path):
+    from caote.evaluation.document import write_results_md
     from caote.evaluation.grids import STANDARD_GRID
     from caote.evaluation.long_results import write_long_md
 
@@ -171,29 +171,29 @@ def test_the_long_document_is_written_alone_and_spliced_into_results_md_which_th
     rows["gemma3-niah-8k"] = load_rows(Path(__file__).parents[1] / "docs/results/runs/long/gemma3-niah-8k")
     results_md = tmp_path / "results.md"
     results_md.write_text("# Results\n\nOLD STANDARD TEXT\n", encoding="utf-8")
-    planned = planned_rows(configs)
     document = tmp_path / "results" / "long.md"
-    write_long_md(document, LONG_GRID, configs, rows, planned, tmp_path / "results", results_md)
+    write_long_md(document, LONG_GRID, configs, rows, planned_rows(configs), tmp_path / "results", tmp_path)
     alone = document.read_text(encoding="utf-8")
     assert alone.startswith("# Long contexts") and "**Incomplete run:** smollm2-essays-4k has 24 of 190" in alone
+    assert f"--grid long --docs {tmp_path}`" in alone
     assert "## SmolLM2-135M-Instruct · essays (joined) · 4096 tokens" in alone
     assert "CAOTE lowers the KL from the full cache for H2O" in alone and "attn-output error" not in alone
     assert "](long_kl_vs_budget.png)" in alone  # the plot, linked from docs/results/
     # the committed NIAH rows at three budgets and two protocols: hits against budget, a panel per protocol
     assert "## NIAH hits against budget" in alone and "](long_niah_vs_budget.png)" in alone
     assert (tmp_path / "results" / "long_niah_vs_budget.png").stat().st_size > 10_000
-    combined = results_md.read_text(encoding="utf-8")
-    assert combined.startswith("# Results\n\nOLD STANDARD TEXT\n") and combined.count(SPLICE_BEGIN) == 1
-    assert "### SmolLM2-135M-Instruct · essays (joined) · 4096 tokens" in combined  # one level down
-    assert "](results/long_kl_vs_budget.png)" in combined and "](results/long_niah_vs_budget.png)" in combined
-    write_long_md(document, LONG_GRID, configs, rows, planned, tmp_path / "results", results_md)
-    assert results_md.read_text(encoding="utf-8") == combined  # rewritten in place, not appended again
-    block = spliced_block(combined)
-    assert block.startswith(SPLICE_BEGIN) and block.rstrip().endswith(SPLICE_END)
+    assert results_md.read_text(encoding="utf-8") == "# Results\n\nOLD STANDARD TEXT\n"  # the long grid leaves it
+    # the standard grid's results.md: the summary tables, then the hand-written readings, then the long grid's
+    # document linked (not repeated), then the per-task details
+    (tmp_path / "results" / "standard_conclusions.md").write_text("## Which policy\n\nCONCLUSIONS", encoding="utf-8")
+    (tmp_path / "results" / "standard_beyond.md").write_text("### Ours\n\nBEYOND", encoding="utf-8")
     standard = report_config("--grid", "standard", "--docs", str(tmp_path))
     write_results_md(results_md, STANDARD_GRID, standard, {}, {}, {}, {}, {}, runs=tmp_path / "results" / "runs")
     rewritten = results_md.read_text(encoding="utf-8")
-    assert "OLD STANDARD TEXT" not in rewritten and rewritten.endswith(block)  # the standard grid keeps the section
+    assert "OLD STANDARD TEXT" not in rewritten and "Budgets 256, 1024" not in rewritten
+    order = ["## Headline", "## Claims", "## Beyond the paper", "CONCLUSIONS", "BEYOND", "## Other grids"]
+    assert [rewritten.index(mark) for mark in order] == sorted(rewritten.index(mark) for mark in order)
+    assert "- [Long contexts: eviction at 4k-8k tokens, two models, two kinds of text](results/long.md)" in rewritten
 
 
 def test_the_report_loads_each_parts_model_once_and_runs_the_parts_in_order(tmp_path, monkeypatch):

@@ -7,17 +7,13 @@ from pathlib import Path
 
 from caote.evaluation.beyond import GAP_TARGET, beyond_records, beyond_table, target_lines
 from caote.evaluation.claims import claims, claims_table
-from caote.evaluation.grids import Grid
+from caote.evaluation.grids import GRIDS, Grid
 from caote.evaluation.reference import FULL
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import row_commits
 from caote.evaluation.stats import Estimate
 from caote.evaluation.summary import INTERVAL_NOTE, render_pieces
 from caote.evaluation.tables import policy_order
-
-# the long grid's section of docs/results.md (`caote.evaluation.long_results`), kept when another grid rewrites it
-SPLICE_BEGIN = "<!-- long grid: written by `caote eval report --grid long --docs docs`; kept by the other grids -->"
-SPLICE_END = "<!-- end of the long grid -->"
 
 
 def headline_columns(summaries: dict) -> list[tuple[str, str, str, str, int]]:
@@ -124,8 +120,9 @@ def write_results_md(
     planned: dict,
     runs: Path | None = None,
 ) -> None:
-    """docs/results.md: provenance, setup (one line per task), the headline table, the verdicts, the conclusions
-    kept in ``results/<grid>_conclusions.md``, then one section per task in grid order."""
+    """docs/results.md, tables first: provenance, setup (one line per task), the headline table, the claims, the
+    verdicts and our policies against the paper's; then the hand-written readings (``results/<grid>_conclusions.md``,
+    ``results/<grid>_beyond.md``), a link to each grid's own document, and one section per task in grid order."""
     docs = path.parent
     runs = Path(runs) if runs is not None else docs / "results" / "runs"
     committed = runs.is_relative_to(docs / "results")  # the committed documents (--docs) or a user's --out
@@ -192,16 +189,17 @@ def write_results_md(
         "",
         *verdict_lines(summaries),
         "",
-        "CONCLUSIONS_PLACEHOLDER",
+        *beyond_section(grid, summaries, rows, docs),
+        _hand_written(docs, grid, "conclusions"),
         "",
-        *beyond_section(grid, summaries, rows, path.parent),
+        _hand_written(docs, grid, "beyond"),
+        "",
+        *own_document_lines(docs),
     ]
     for name, pieces in summaries.items():
-        lines += [f"## {TASKS[name].title}", "", render_pieces(name, pieces, relative_to=path.parent), ""]
-    text = "\n".join(lines).replace("CONCLUSIONS_PLACEHOLDER", _hand_written(path.parent, grid, "conclusions"))
-    kept = spliced_block(path.read_text(encoding="utf-8")) if path.is_file() else ""  # the long grid's section
+        lines += [f"## {TASKS[name].title}", "", render_pieces(name, pieces, relative_to=docs), ""]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip("\n") + "\n\n" + kept if kept else text, encoding="utf-8")
+    path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
 
 
 def _hand_written(docs: Path, grid: Grid, part: str) -> str:
@@ -210,9 +208,22 @@ def _hand_written(docs: Path, grid: Grid, part: str) -> str:
     return file.read_text(encoding="utf-8").strip() if file.is_file() else ""
 
 
+def own_document_lines(docs: Path) -> list[str]:
+    """A link to each grid's own document under ``docs/results/`` that exists (the long grid's results/long.md),
+    named by its title: its tables and reading are linked from results.md, not repeated there."""
+    links = []
+    for grid in GRIDS.values():
+        file = docs / "results" / grid.own_document if grid.own_document else None
+        if file is not None and file.is_file():
+            title = file.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip()
+            link = f"[{title}](results/{grid.own_document})"
+            links.append(f"- {link} (grid `{grid.name}`): its tables, plots and reading.")
+    return ["## Other grids", "", *links, ""] if links else []
+
+
 def beyond_section(grid: Grid, summaries: dict, rows: dict, docs: Path) -> list[str]:
-    """ "Beyond the paper": our policies (``grid.beyond``) against every paper policy and the oracle, their targets,
-    the KL-vs-budget plot (every policy and the oracle) and the hand-written ``results/<grid>_beyond.md``."""
+    """ "Beyond the paper": our policies (``grid.beyond``) against every paper policy and the oracle, their targets
+    and the KL-vs-budget plot (every policy and the oracle); the hand-written reading follows the section."""
     if not grid.beyond:
         return []
     records = beyond_records(rows, list(grid.beyond), list(grid.budgets))
@@ -238,31 +249,4 @@ def beyond_section(grid: Grid, summaries: dict, rows: dict, docs: Path) -> list[
         "",
         *(f"![KL from the full cache vs budget, every policy and the oracle]({plot})" for plot in plots),
         "",
-        _hand_written(docs, grid, "beyond"),
-        "",
     ]
-
-
-def demote(text: str) -> str:
-    """Every Markdown heading one level down (``#`` -> ``##``), so a document can sit inside another."""
-    lines, fenced = [], False
-    for line in text.splitlines():
-        fenced ^= line.startswith("```")
-        lines.append(f"#{line}" if line.startswith("#") and not fenced else line)
-    return "\n".join(lines)
-
-
-def splice(document: str, section: str) -> str:
-    """``document`` with its `SPLICE_BEGIN` ... `SPLICE_END` block replaced by ``section`` (appended when absent)."""
-    block = f"{SPLICE_BEGIN}\n\n{section.strip()}\n\n{SPLICE_END}\n"
-    if SPLICE_BEGIN in document and SPLICE_END in document:
-        before, rest = document.split(SPLICE_BEGIN, 1)
-        return before + block + rest.split(SPLICE_END, 1)[1].lstrip("\n")
-    return document.rstrip("\n") + "\n\n" + block
-
-
-def spliced_block(document: str) -> str:
-    """The `SPLICE_BEGIN` ... `SPLICE_END` block of ``document`` (with its markers), or nothing."""
-    if SPLICE_BEGIN not in document or SPLICE_END not in document:
-        return ""
-    return SPLICE_BEGIN + document.split(SPLICE_BEGIN, 1)[1].split(SPLICE_END, 1)[0] + SPLICE_END + "\n"

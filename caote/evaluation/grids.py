@@ -46,7 +46,7 @@ class Grid:
     policies: tuple[str, ...] | None = None  # the grid's own policies, used unless --policies is given
     notes: tuple[str, ...] = ()  # lines for the Setup section of results.md
     beyond: tuple[str, ...] = ()  # our policies beyond the paper: run on every part, judged in their own section
-    own_document: str | None = None  # with --docs: its own file under docs/results/, spliced into results.md
+    own_document: str | None = None  # with --docs: its own file under docs/results/, linked from results.md
 
 
 # try: the README's first command, real work on the bundled model in minutes (its measured time:

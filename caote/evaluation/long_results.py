@@ -1,8 +1,8 @@
 """docs/results/long.md, written from the rows of the long grid: one section per part (model x kind of text x
 length), each with its headline table, the oracle gap per budget, the claims re-decided on its own units and our
 policies against the paper's; one plot of KL against budget with a panel per part; the hand-written reading kept in
-``results/long_reading.md``. With ``--docs`` the same sections are spliced into docs/results.md (between
-``SPLICE_BEGIN`` and ``SPLICE_END`` of `caote.evaluation.document`, whose writer keeps them).
+``results/long_reading.md``. docs/results.md links this document rather than repeating it
+(`caote.evaluation.document.own_document_lines`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from caote.evaluation.beyond import best_policy, beyond_records, beyond_table
 from caote.evaluation.claims import claims, claims_table
-from caote.evaluation.document import demote, headline_table, splice
+from caote.evaluation.document import headline_table
 from caote.evaluation.grids import Grid
 from caote.evaluation.plots import budgets_of, plot_panels_vs_budget
 from caote.evaluation.registry import TASKS
@@ -151,10 +151,10 @@ def _described(config, rows: list[dict]) -> str:
 
 
 def write_long_md(
-    path: Path, grid: Grid, configs: dict, rows: dict, planned: dict, results: Path, results_md: Path | None
+    path: Path, grid: Grid, configs: dict, rows: dict, planned: dict, results: Path, docs: Path | None
 ) -> None:
-    """``path`` (the long grid's document) and, when ``results_md`` is given and exists, its spliced section."""
-    where = f"--docs {results_md.parent}" if results_md else f"--out {path.parent}"
+    """``path``, the long grid's document (``docs``: the committed documents' folder, else None for ``--out``)."""
+    where = f"--docs {docs}" if docs is not None else f"--out {path.parent}"
     command = f"caote eval report --grid long {where}"
     heading = [
         "# Long contexts: eviction at 4k-8k tokens, two models, two kinds of text",
@@ -162,23 +162,8 @@ def write_long_md(
         f"Regenerate with `{command}` (resumable: finished rows are kept).",
         "",
     ]
-    body = long_sections(grid, configs, rows, planned, results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    relinked = "\n".join(body)
+    body = "\n".join(long_sections(grid, configs, rows, planned, results))
     for name in (PLOT, NIAH_PLOT):
-        relinked = relinked.replace(f"]({name})", f"]({(results / name).relative_to(path.parent).as_posix()})")
-    path.write_text("\n".join(heading) + "\n" + relinked, encoding="utf-8")
-    if results_md is not None and results_md.is_file():
-        spliced = "\n".join(body)
-        for name in (PLOT, NIAH_PLOT):
-            spliced = spliced.replace(f"]({name})", f"]({(results / name).relative_to(results_md.parent).as_posix()})")
-        section = "\n".join(
-            [
-                "# Long contexts (grid `long`)",
-                "",
-                f"The long grid's document is [results/{path.name}](results/{path.name}); its sections:",
-                "",
-                spliced,
-            ]
-        )
-        results_md.write_text(splice(results_md.read_text(encoding="utf-8"), demote(section)), encoding="utf-8")
+        body = body.replace(f"]({name})", f"]({(results / name).relative_to(path.parent).as_posix()})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(heading) + "\n" + body, encoding="utf-8")

@@ -100,8 +100,8 @@ def run_report(config: EvalConfig) -> int:
         return 0
     rows = {name: load_rows(part.out) for name, part in configs.items()}
     if grid.own_document:
-        results_md = Path(config.docs) / "results.md" if config.docs is not None else None
-        write_long_md(document, grid, configs, rows, planned, results, results_md)
+        docs = Path(config.docs) if config.docs is not None else None
+        write_long_md(document, grid, configs, rows, planned, results, docs)
         for key, part in configs.items():
             print(f"{key} ({part.model}, {part.benchmark}):")
             print(glance_table({"perplexity" if TASKS[part.benchmark].texts else "niah": rows[key]}))
