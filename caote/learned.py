@@ -255,24 +255,34 @@ class Predictor:
         """The predictor at ``path``, or the committed one calibrated for ``model``; a one-line `ValueError` when
         there is none or it was calibrated for another model."""
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        fingerprint = model_fingerprint(model)
         if path is not None:
             predictor = cls.load(path)
-            if predictor.fingerprint != fingerprint:
+            if predictor.fingerprint != model_fingerprint(model):
                 raise ValueError(
                     f"predictor {str(path)!r} was calibrated for {predictor.model!r}, not this model ({name!r}); "
                     f"calibrate one with: caote calibrate --model <this model> --out FILE"
                 )
             return predictor.check_fits(model, repr(str(path)))
-        committed = [cls.load(candidate) for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors"))]
-        for predictor in committed:
+        shipped = cls.shipped_for(model)
+        if shipped is None:
+            committed = [cls.load(candidate).model for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors"))]
+            raise ValueError(
+                f"policy 'learned' needs a predictor calibrated for {name!r}: run `caote calibrate --model <model> "
+                f"--out FILE` and pass predictor=FILE (--predictor FILE); only {', '.join(committed) or 'no model'} "
+                "ship one"
+            )
+        return shipped
+
+    @classmethod
+    def shipped_for(cls, model: nn.Module) -> Predictor | None:
+        """The committed predictor calibrated for ``model`` (matched by fingerprint), or None when caote ships none
+        for it; a shipped file that does not fit the model is refused in one line, never taken for a missing one."""
+        fingerprint = model_fingerprint(model)
+        for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors")):
+            predictor = cls.load(candidate)
             if predictor.fingerprint == fingerprint:
                 return predictor.check_fits(model, f"shipped for {predictor.model!r}")
-        raise ValueError(
-            f"policy 'learned' needs a predictor calibrated for {name!r}: run `caote calibrate --model <model> --out "
-            "FILE` and pass predictor=FILE (--predictor FILE); only "
-            f"{', '.join(predictor.model for predictor in committed) or 'no model'} ship one"
-        )
+        return None
 
     def check_fits(self, model: nn.Module, source: str) -> Predictor:
         """This predictor, refused in one line unless its weights are finite and shaped as ``model``'s (layers, KV

@@ -199,16 +199,16 @@ class CacheSettings:
     def predictor_for(self, model) -> tuple[Predictor, str] | None:
         """The predictor these settings read on ``model`` (a learned policy's, or the one auto resolves with) and
         where it comes from, for `caote.learned.Predictor.verdict_line`: the file ``predictor`` names, else the one
-        shipped for the model. None when they read none, or auto finds none shipped; a named file that cannot serve
-        the model is refused in one line, as is a learned policy without a predictor."""
+        shipped for the model. None when they read none, or auto finds none shipped; a file that cannot serve the
+        model (named or shipped) is refused in one line, as is a learned policy without a predictor."""
         if not (self.auto or self.policy.reads_predictor):
             return None
-        try:
+        if self.predictor is None and not self.policy.reads_predictor:  # auto, asking only for a shipped one
+            predictor = Predictor.shipped_for(model)
+            if predictor is None:
+                return None
+        else:
             predictor = Predictor.for_model(model, self.predictor)
-        except ValueError:
-            if self.predictor is not None or self.policy.reads_predictor:
-                raise
-            return None
         return predictor, repr(str(self.predictor)) if self.predictor else f"shipped for {predictor.model!r}"
 
     def for_model(self, model) -> CacheSettings:

@@ -13,6 +13,7 @@ import torch
 from conftest import RandomIds, random_ids, tiny_model
 
 import caote
+from caote import learned
 from caote.cache import EvictionCache
 from caote.cli import build_parser, main
 from caote.defaults import AUTO_TRAINING_FREE, DEFAULT_BUDGET
@@ -86,6 +87,20 @@ def test_a_given_predictor_that_cannot_serve_the_model_is_refused_not_skipped(ll
     other = tiny_model("llama", seed=1)
     with pytest.raises(ValueError, match="was calibrated for 'tiny', not this model"):
         EvictionCache(other, budget=256, predictor=predictor_file(llama, tmp_path, "helps"))
+
+
+def test_a_shipped_predictor_that_does_not_fit_the_model_is_refused_not_taken_for_a_missing_one(
+    llama, tmp_path, monkeypatch
+):
+    groups = ("scalars",)
+    features = len(feature_names(groups, llama.config.head_dim))
+    weights = torch.zeros(llama.config.num_hidden_layers - 1, llama.config.num_key_value_heads, features)
+    Predictor(weights, groups, "tiny", model_fingerprint(llama), ["code-dev-1"], {}).save(tmp_path / "tiny.safetensors")
+    monkeypatch.setattr(learned, "PREDICTOR_DIR", tmp_path)
+    with pytest.raises(ValueError, match="^predictor shipped for 'tiny' holds weights of shape"):
+        EvictionCache(llama, budget=256)
+    monkeypatch.setattr(learned, "PREDICTOR_DIR", tmp_path / "none")  # nothing shipped: auto stays training-free
+    assert EvictionCache(llama, budget=256).policy.name == "caote-block"
 
 
 def test_replace_chooses_again_for_a_new_budget_and_a_named_policy_ends_auto():
