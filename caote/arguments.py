@@ -1,5 +1,5 @@
 """Command-line values shared by every subcommand: the one `UsageError`, the parser class, `add_subcommand`, the
-number parsers and the quieting of transformers' progress bars.
+number parsers and the warning that torch's threads will share cores.
 
 Lower layers raise a plain `ValueError`; a subcommand's command-line module turns the ones that come from a bad
 argument into `UsageError`, which `caote.cli.main` reports in one line with exit code 2.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 
 
 class UsageError(ValueError):
@@ -124,10 +126,24 @@ def memory_limits(text: str) -> dict:
     return limits
 
 
-def hide_loading_bars() -> None:
-    """Hide transformers' (and the hub's) progress bars, "Loading weights" among them, so that stderr keeps errors and
-    what was asked for. Every subcommand that loads a model calls it after its own torch-free checks."""
-    # start-up: transformers costs about a second, which parsing and argument errors do not pay
-    from transformers.utils import logging as transformers_logging
+def warn_if_threads_share_cores(threads: int | None) -> None:
+    """Say in one line on stderr when torch's ``threads`` (None: torch's default) will share cores with other work:
+    when the 1-minute load average already holds a whole core's worth of work beyond the CPUs they leave free (a
+    fraction of one is the background of an idle machine). Threads that share cores can run many times slower (a
+    report that takes 2 minutes took 33 on a busy machine); with one thread there is nothing to advise."""
+    if threads is None:
+        import torch  # start-up: only the long-running commands call this, after their argument checks
 
-    transformers_logging.disable_progress_bar()
+        threads = torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this system
+        return
+    cpus = os.cpu_count() or 1
+    if threads > 1 and load >= cpus - threads + 1:
+        print(
+            f"caote: load average {load:.1f} on {cpus} CPUs: torch's {threads} threads will share cores and can run "
+            "many times slower; try --threads 1",
+            file=sys.stderr,
+            flush=True,
+        )

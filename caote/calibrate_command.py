@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from caote.arguments import UsageError, add_subcommand, hide_loading_bars, parse_int_list, positive_int
+from caote.arguments import UsageError, add_subcommand, parse_int_list, positive_int, warn_if_threads_share_cores
 from caote.commands import check_model
 from caote.defaults import (
     CALIBRATION_BUDGETS,
@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-validation", action="store_true", help="skip the validation (the predictor then carries no verdict)"
     )
+    parser.add_argument(
+        "--threads", type=positive_int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)"
+    )
 
 
 def feature_groups(text: str) -> list[str]:
@@ -198,7 +201,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         else load_predictor(args.rollout_predictor, "--rollout-predictor", groups)
     )
     given = None if args.validate is None else load_predictor(args.validate, "--validate")
-    hide_loading_bars()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    warn_if_threads_share_cores(args.threads)
     from caote.models import load_model
 
     model, tokenizer = load_model(args.model)

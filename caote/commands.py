@@ -17,7 +17,6 @@ from pathlib import Path
 from caote.arguments import (
     UsageError,
     add_subcommand,
-    hide_loading_bars,
     memory_limits,
     non_negative_int,
     positive_int,
@@ -312,7 +311,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.max_memory is not None and args.device_map is None:
         raise UsageError("--max-memory needs --device-map (e.g. --device-map auto)")
-    hide_loading_bars()
     with tempfile.TemporaryDirectory(prefix="caote-offload-") as offload_folder:
         model, tokenizer = load_model(
             args.model,

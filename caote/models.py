@@ -20,7 +20,8 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -306,6 +307,21 @@ def _torch_dtype(dtype):
     return named
 
 
+@contextmanager
+def _loading_bars_hidden() -> Iterator[None]:
+    """Hide transformers' (and the hub's) progress bars, "Loading weights" among them, inside the block, and show
+    them again after it if they were shown; caote's own messages (the conversion notice) still print."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
+
+
 def load_model(
     name: str = BUNDLED_MODEL,
     dtype=None,
@@ -320,7 +336,8 @@ def load_model(
     accelerate (e.g. ``device_map="auto", max_memory={"cpu": "200MiB"}``: what does not fit is offloaded to disk).
 
     A missing path or a bad ``dtype`` is a one-line `ValueError`; a hub id that is neither cached nor reachable
-    (offline mode or no network) is a one-line `RuntimeError`, raised at once."""
+    (offline mode or no network) is a one-line `RuntimeError`, raised at once. transformers' progress bars are hidden
+    while it loads."""
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
     extra = {} if name in BUNDLED else check_model_name(name)
@@ -329,14 +346,15 @@ def load_model(
     dtype = _torch_dtype(dtype)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
     placement = {key: value for key, value in placement.items() if value is not None}
-    path = resolve_model_path(name)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, **placement, **extra
-        )
-    except OSError as error:
-        raise RuntimeError(f"cannot load model {name!r}: {str(error).splitlines()[0]}") from None
+    with _loading_bars_hidden():
+        path = resolve_model_path(name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation, **placement, **extra
+            )
+        except OSError as error:
+            raise RuntimeError(f"cannot load model {name!r}: {str(error).splitlines()[0]}") from None
     if device is not None:
         model = model.to(device)
     if tokenizer.pad_token is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import types
 
@@ -35,6 +36,13 @@ class RandomIds:
 
     def __call__(self, text, return_tensors=None, add_special_tokens=False):
         return types.SimpleNamespace(input_ids=random_ids(self.length, seed=len(text), vocab=self.vocab))
+
+
+@pytest.fixture(autouse=True)
+def idle_machine(monkeypatch):
+    """A load average of 0, so that no command's output depends on how busy the machine running the tests is (the
+    warning of `caote.arguments.warn_if_threads_share_cores`; its tests set their own load)."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
 
 
 @pytest.fixture(autouse=True, scope="session")

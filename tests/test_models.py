@@ -121,3 +121,27 @@ def test_the_first_use_of_the_bundled_model_announces_its_conversion_once(monkey
     assert first == second == str(tmp_path / "smollm2-135m-instruct") and len(conversions) == 1
     err = capsys.readouterr().err
     assert err.count("caote: first use of 'smollm2-135m'") == 1 and "CAOTE_CACHE_DIR" in err
+
+
+def test_load_model_shows_caotes_notice_but_not_transformers_loading_bar(monkeypatch, tmp_path, capsys, tokenizer):
+    from transformers.utils import logging as transformers_logging
+
+    from caote.testing import tiny_model
+
+    monkeypatch.setenv("CAOTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(models, "bundled_gguf_path", lambda: tmp_path / "model.gguf")
+
+    def fake_convert(target, model):  # a tiny model stands in for the 25 s conversion
+        tiny_model("llama").save_pretrained(target)
+        tokenizer.save_pretrained(target)
+
+    monkeypatch.setattr(models, "_convert_bundled", fake_convert)
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()
+    try:
+        load_model("smollm2-135m")
+        assert transformers_logging.is_progress_bar_enabled()  # shown again after the load
+    finally:
+        (transformers_logging.enable_progress_bar if shown else transformers_logging.disable_progress_bar)()
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and err.count("caote: first use of 'smollm2-135m'") == 1, err

@@ -186,6 +186,36 @@ def test_a_second_process_writing_the_same_rows_is_refused_naming_the_holder(tmp
         assert store.rows == {}
 
 
+def test_a_writer_leaves_only_its_rows_behind_even_after_a_killed_one(tmp_path):
+    with RowStore(tmp_path) as store:
+        store.append(_row("a"))
+    assert [path.name for path in tmp_path.iterdir()] == ["rows.0.jsonl"]
+    writer = _rows_writer(tmp_path)
+    writer.kill()  # killed: its lock file stays, the OS lock goes
+    writer.communicate(timeout=60)
+    assert (tmp_path / "rows.0.jsonl.lock").read_text().strip() == str(writer.pid)
+    with RowStore(tmp_path) as store:
+        assert list(store.rows) == [_row("a")["key"]]
+    assert [path.name for path in tmp_path.iterdir()] == ["rows.0.jsonl"]
+
+
+def test_a_lock_taken_on_a_removed_lock_file_is_taken_again_on_the_file_at_its_path(tmp_path, monkeypatch):
+    lock_path = tmp_path / "rows.0.jsonl.lock"
+    first = RowStore(tmp_path)
+    waiting = os.open(lock_path, os.O_RDWR)  # a second writer that opened the lock file before the first let go
+    first.close()  # removes the file, then lets go: the second writer's lock now succeeds on a removed file
+    assert not lock_path.exists()
+    real_open = os.open
+    opened = iter([waiting])
+    monkeypatch.setattr(os, "open", lambda *args, **kwargs: next(opened, None) or real_open(*args, **kwargs))
+    with RowStore(tmp_path):
+        monkeypatch.undo()
+        assert lock_path.read_text().strip() == str(os.getpid())  # it holds the file at the path ...
+        with pytest.raises(RuntimeError, match=f"pid {os.getpid()}"):  # ... so a third writer is refused
+            RowStore(tmp_path)
+    assert not lock_path.exists()
+
+
 def test_caote_eval_on_a_folder_another_process_writes_exits_1_with_one_line(tmp_path, monkeypatch, capsys, tokenizer):
     from caote.evaluation import report  # imports torch: not at the top, which the converting processes import
 

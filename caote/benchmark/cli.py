@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from caote.arguments import Parser, UsageError, hide_loading_bars, int_tuple
+from caote.arguments import Parser, UsageError, int_tuple, warn_if_threads_share_cores
 from caote.benchmark.config import COMMITTED_OUT, DEFAULT_OUT, DEFAULT_REPEATS, TINY_LLAMA, BenchConfig
 
 
@@ -157,12 +157,12 @@ def command(args: argparse.Namespace) -> int:
     from caote.benchmark.document import report_from_json
     from caote.benchmark.schedule import run_benchmark
 
-    hide_loading_bars()
     if args.report_from:
         summary = report_from_json(args.report_from)["summary"]
         print(f"targets met: {summary['targets_met']} of {summary['targets_total']}")
         return 0
     config = config_from_args(args)
+    warn_if_threads_share_cores(config.threads)
     document = run_benchmark(config, args.out, log=lambda line: print(line, flush=True))
     summary = document["summary"]
     print(

@@ -7,8 +7,9 @@ import json
 import math
 from pathlib import Path
 
-from caote.benchmark.config import DECODE_WARM_UP, FULL_AT_BUDGET
+from caote.benchmark.config import COMPILED, DECODE_WARM_UP, FULL_AT_BUDGET, FULL_BLOCKS, FULL_SDPA
 from caote.benchmark.stats import summarise
+from caote.evaluation.plots import FULL_COLOUR, policy_line
 
 
 def _mib(value) -> str:
@@ -214,8 +215,21 @@ def _pyplot():
     return plt
 
 
-def _style(name: str) -> str:
-    return "--" if name.startswith("full") else ("-" if "+" not in name else ":")
+# the full cache's three configurations, in its colour, told apart by line style and marker
+FULL_LINES = {
+    FULL_SDPA: {"linestyle": "--", "marker": "x"},
+    FULL_BLOCKS: {"linestyle": "-.", "marker": "+"},
+    FULL_AT_BUDGET: {"linestyle": ":", "marker": "v"},
+}
+
+
+def _line(name: str) -> dict:
+    """How configuration ``name`` is drawn: a policy as in every plot (`policy_line`; compiled: hollow markers),
+    the full cache in `FULL_COLOUR` with the line style and marker of its configuration."""
+    if name in FULL_LINES:
+        return {"label": name, "color": FULL_COLOUR, **FULL_LINES[name]}
+    policy = name.removesuffix(COMPILED)
+    return {**policy_line(policy), "label": name, **({"markerfacecolor": "none"} if policy != name else {})}
 
 
 def plot(document: dict, path: str | Path) -> Path:
@@ -223,10 +237,10 @@ def plot(document: dict, path: str | Path) -> Path:
     plt = _pyplot()
     summary = document.get("summary") or summarise(document)
     panels = (
-        ("prefill_s", "prefill wall time (s)", 1),
-        ("kv_peak_bytes", "KV cache at peak (MiB)", 2**20),
-        ("peak_rss_bytes", "process peak RSS (MiB)", 2**20),
-        ("decode_tokens_per_s", "decode tokens/s", 1),
+        ("prefill_s", "prefill wall time (s), lower is better", 1),
+        ("kv_peak_bytes", "KV cache at peak (MiB), lower is better", 2**20),
+        ("peak_rss_bytes", "process peak RSS (MiB), lower is better", 2**20),
+        ("decode_tokens_per_s", "decode tokens/s, higher is better", 1),
     )
     figure, axes = plt.subplots(2, 2, figsize=(13, 9))
     for axis, (key, title, scale) in zip(axes.flat, panels):
@@ -235,7 +249,7 @@ def plot(document: dict, path: str | Path) -> Path:
                 (int(c), m[key] / scale) for c, m in summary["medians"].get(name, {}).items() if m.get(key) is not None
             )
             if points:
-                axis.plot(*zip(*points), _style(name), marker="o", label=name)
+                axis.plot(*zip(*points), **_line(name))
         axis.set_title(title)
         axis.set_xlabel("context (tokens)")
         axis.set_xscale("log", base=2)
@@ -261,21 +275,20 @@ def plot_growth(document: dict, path: str | Path) -> Path | None:
         return None
     plt = _pyplot()
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(13, 5))
-    colours = plt.get_cmap("tab20").colors
-    for index, (name, fit) in enumerate(growth.items()):
+    for name, fit in growth.items():
         medians = summary["medians"][name]
         contexts = fit["contexts"]
         seconds = [medians[str(c)]["prefill_s"] for c in contexts]
-        colour = colours[index % len(colours)]
-        time_axis.plot(contexts, seconds, "o", color=colour, label=name)
+        line = _line(name)
+        time_axis.plot(contexts, seconds, **{**line, "linestyle": "none"})
         ends = [contexts[0], contexts[-1]]
         fitted = [fit["intercept_s"] + fit["seconds_per_1k_tokens"] * c / 1000 for c in ends]
-        time_axis.plot(ends, fitted, _style(name), color=colour, linewidth=1)
+        time_axis.plot(ends, fitted, color=line["color"], linestyle=line["linestyle"], linewidth=1)
         rss = [medians[str(c)].get("peak_rss_bytes") for c in contexts]
         if all(value is not None for value in rss):
-            memory_axis.plot(contexts, [v / 2**20 for v in rss], _style(name), color=colour, marker="o", label=name)
-    time_axis.set_title("prefill wall time (s): points = medians, lines = least-squares fits")
-    memory_axis.set_title("process peak RSS after the prefill (MiB)")
+            memory_axis.plot(contexts, [v / 2**20 for v in rss], **line)
+    time_axis.set_title("prefill wall time (s), lower is better: points = medians, lines = least-squares fits")
+    memory_axis.set_title("process peak RSS after the prefill (MiB), lower is better")
     for axis in (time_axis, memory_axis):
         axis.set_xlabel("context (tokens)")
         axis.grid(alpha=0.3)

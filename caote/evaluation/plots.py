@@ -56,7 +56,7 @@ def plot_niah_heatmaps(rows: list[dict], path: Path, budget: int) -> Path | None
     for index in range(len(policies), rows_count * columns):
         axes[index // columns][index % columns].axis("off")
     if image is not None:
-        figure.colorbar(image, ax=axes, shrink=0.6, label="accuracy")
+        figure.colorbar(image, ax=axes, shrink=0.6, label="accuracy (higher is better)")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
@@ -102,12 +102,17 @@ def budgets_of(records: list[dict]) -> list[int]:
     return sorted({r["budget"] for r in records if r["budget"] != ""})
 
 
-# one colour per base in every plot (its +caote / +fastcaote variants by line style and marker)
+# one colour per base in every plot, `caote eval`'s and `caote bench`'s (its +caote / +fastcaote variants by line
+# style and marker): `policy_colour`
 BASE_COLOURS = {
     "streamingllm": "tab:gray",
     "h2o": "tab:blue",
     "tova": "tab:orange",
+    "tova-layer": "goldenrod",
     "snapkv": "tab:green",
+    "keydiff": "tab:pink",
+    "knorm": "tab:olive",
+    "random": "silver",
     "oracle": "black",
     # ours, beyond the paper: thick lines in colours no paper base uses
     "caote-window": "tab:purple",
@@ -115,21 +120,31 @@ BASE_COLOURS = {
     "caote-ahead": "tab:brown",
     "learned": "tab:cyan",
 }
+FULL_COLOUR = "gray"  # the full cache (dotted, or in `caote bench` its three configurations by line style)
 MARKERS = {"none": "o", "caote": "s", "fastcaote": "^"}  # plain / +caote / +fastcaote
 # auto, a choice among the policies drawn (per model and budget): black and thick, with its own marker
 AUTO_LINE = {"color": "black", "linestyle": "-", "linewidth": 2.2}
 
 
-def _budget_line(policy: str) -> dict:
-    """How ``policy``'s line of a metric against the budget is drawn (`_draw_metric_vs_budget`): its base's colour,
-    plain / +caote / +fastcaote by marker and line style, ours thick, the oracle dashed with stars."""
+def policy_colour(policy: str) -> str:
+    """``policy``'s colour in every plot: its base's (`BASE_COLOURS`), black for auto, `FULL_COLOUR` for the full
+    cache."""
+    if is_auto(policy):
+        return AUTO_LINE["color"]
+    parsed = parse_policy(policy)
+    return BASE_COLOURS[parsed.base_name] if parsed.evicts else FULL_COLOUR
+
+
+def policy_line(policy: str) -> dict:
+    """How ``policy``'s line is drawn in every plot: `policy_colour`, plain / +caote / +fastcaote by marker and line
+    style, ours thick, the oracle dashed with stars, auto black and thick."""
     if is_auto(policy):
         return {"label": policy, "marker": "D", "markersize": 4, **AUTO_LINE}
     parsed = parse_policy(policy)
     oracle = parsed.base.hindsight
     return {
         "label": "oracle (hindsight ceiling)" if oracle else policy,
-        "color": BASE_COLOURS.get(parsed.base_name),
+        "color": policy_colour(policy),
         "marker": "*" if oracle else MARKERS[parsed.transform],
         "markersize": 7 if oracle else 4,
         "linestyle": "--" if oracle else _linestyle(parsed),
@@ -145,7 +160,7 @@ def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -
         if policy == FULL:
             full = [r for r in records if r["policy"] == FULL]
             if full:
-                axis.axhline(full[0]["mean"], color="gray", linestyle=":", linewidth=1, label="full cache")
+                axis.axhline(full[0]["mean"], color=policy_colour(FULL), linestyle=":", linewidth=1, label="full cache")
             continue
         if not chosen:
             continue
@@ -155,7 +170,7 @@ def _draw_metric_vs_budget(axis, records: list[dict], ylabel: str, title: str) -
             [max(0.0, r["mean"] - r["ci_low"]) for r in chosen],
             [max(0.0, r["ci_high"] - r["mean"]) for r in chosen],
         ]
-        axis.errorbar(x, y, yerr=error, capsize=2, alpha=0.85, **_budget_line(policy))
+        axis.errorbar(x, y, yerr=error, capsize=2, alpha=0.85, **policy_line(policy))
     axis.set_xscale("log", base=2)
     axis.set_xticks(budgets, [str(b) for b in budgets])
     axis.set_xlabel("KV budget (tokens per layer)")
@@ -189,7 +204,8 @@ def _save_with_legend(plt, figure, axis, path: Path) -> Path:
 
 
 def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | None:
-    """Relative attention-output error per layer at one budget, averaged over texts, one line per policy."""
+    """Relative attention-output error per layer at one budget, averaged over texts, one line per policy (drawn as in
+    every plot: `policy_line`)."""
     chosen = [r for r in rows if r.get("budget") == budget and r.get("fidelity_layers")]
     if not chosen:
         return None
@@ -198,12 +214,7 @@ def plot_fidelity_layers(rows: list[dict], path: Path, budget: int) -> Path | No
     for policy in policy_order({r["policy"] for r in chosen}):
         layers = [r["fidelity_layers"] for r in chosen if r["policy"] == policy]
         mean = [sum(values) / len(values) for values in zip(*layers)]
-        if is_auto(policy):
-            axis.plot(range(len(mean)), mean, label=policy, **AUTO_LINE)
-            continue
-        parsed = parse_policy(policy)
-        colour = BASE_COLOURS.get(parsed.base_name) if parsed.evicts else "gray"
-        axis.plot(range(len(mean)), mean, label=policy, linestyle=_linestyle(parsed), color=colour)
+        axis.plot(range(len(mean)), mean, **policy_line(policy))
     axis.set_xlabel("layer")
     axis.set_ylabel("||O_policy − O_full|| / ||O_full|| (lower is better)")
     axis.set_title(f"Attention-output relative error per layer, b={budget}", fontsize=10)

@@ -5,21 +5,21 @@ Each row is written, flushed and fsynced before the next one starts, so a killed
 flight; a rerun reads every shard, skips the keys already present and cuts a torn last line off its own shard
 before appending. A line that is not a row (garbage, a JSON value that is not a row object, bytes that are not UTF-8)
 is skipped with a one-line warning naming the file and line; a torn last line is skipped quietly (its row is simply
-recomputed). Reading never opens a shard for writing. A process writing a shard holds ``<shard>.lock`` (an OS lock,
-released when the process ends, however it ends) and records its pid in ``<shard>.pid``; a second process is
-refused in one line naming that pid. Rows do not depend on the sharding (see `caote.evaluation.runner`).
+recomputed). Reading never opens a shard for writing. A process writing a shard holds an OS lock on ``<shard>.lock``
+(released when the process ends, however it ends) with its pid written in it; a second process is refused in one line
+naming that pid. The lock file is removed when its writer lets go (a killed writer's is removed by the next one). Rows
+do not depend on the sharding (see `caote.evaluation.runner`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-from filelock import FileLock, Timeout
 
 from caote.evaluation.reference import FULL
 
@@ -122,30 +122,48 @@ def _cut_torn_tail(path: Path) -> None:
         os.truncate(path, data.rfind(b"\n") + 1)
 
 
-def _lock_shard(path: Path) -> FileLock:
-    """Hold ``<path>.lock`` and record this process's pid in ``<path>.pid``; a `RuntimeError` naming the holder's
-    pid when another process holds it."""
-    lock = FileLock(f"{path}.lock")
+def _lock_shard(path: Path) -> int:
+    """The descriptor of ``<path>.lock``, locked, with this process's pid written in it; a `RuntimeError` naming the
+    holder's pid when another process holds it.
+
+    A writer removes the lock file while it still holds it (`_unlock_shard`), so a lock taken on a file that is no
+    longer at the path was taken after its holder let go: it is dropped and taken again on the file there now. Two
+    writers can therefore never hold locks on two different files of the same path."""
+    lock_path = f"{path}.lock"
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # held (some file systems say EACCES)
+            holder = os.read(fd, 32).decode("utf-8", "replace").strip() or "unknown"  # unknown: not written yet
+            os.close(fd)
+            raise RuntimeError(
+                f"{path} is being written by another process (pid {holder}); wait for it to end or write the rows to "
+                "another output folder"
+            ) from None
+        if _is_at(fd, lock_path):
+            os.ftruncate(fd, 0)  # a killed writer's pid
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+
+
+def _is_at(fd: int, path: str) -> bool:
+    """Whether the file open as ``fd`` is the one at ``path``."""
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise RuntimeError(
-            f"{path} is being written by another process (pid {_holder_pid(path)}); wait for it to end or write the "
-            "rows to another output folder"
-        ) from None
-    _pid_path(path).write_text(f"{os.getpid()}\n", encoding="utf-8")
-    return lock
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
-def _pid_path(path: Path) -> Path:
-    return path.with_name(f"{path.name}.pid")
-
-
-def _holder_pid(path: Path) -> str:
+def _unlock_shard(path: Path, fd: int) -> None:
+    """Remove ``<path>.lock`` while ``fd`` still holds it, then let go."""
+    lock_path = f"{path}.lock"
     try:
-        return _pid_path(path).read_text(encoding="utf-8").strip() or "unknown"
-    except OSError:  # the holder has just taken the lock and not written its pid yet
-        return "unknown"
+        if _is_at(fd, lock_path):  # never a file another writer created after this one was removed by hand
+            os.unlink(lock_path)
+    finally:
+        os.close(fd)
 
 
 class RowStore:
@@ -156,7 +174,7 @@ class RowStore:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = self.out / f"rows.{rank}.jsonl"
-        self._lock = _lock_shard(self.path)
+        self._lock: int | None = _lock_shard(self.path)
         try:
             _cut_torn_tail(self.path)
             self.rows: dict[str, dict] = {row["key"]: row for row in load_rows(self.out)}
@@ -171,10 +189,10 @@ class RowStore:
         self.close()
 
     def close(self) -> None:
-        """Release the shard (its pid file is removed first, so that it never names a process that let go)."""
-        if self._lock.is_locked:
-            _pid_path(self.path).unlink(missing_ok=True)
-            self._lock.release()
+        """Release the shard, removing its lock file."""
+        if self._lock is not None:
+            fd, self._lock = self._lock, None
+            _unlock_shard(self.path, fd)
 
     def __contains__(self, key: str) -> bool:
         return key in self.rows
