@@ -85,12 +85,12 @@ def test_policies_prints_the_table(capsys):
     assert any(line.startswith("| `snapkv+fastcaote` |") and "arXiv 2504.14051" in line for line in lines)
 
 
-def test_readme_policy_table_matches_the_cli():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(r"<!-- policies:start -->\n(.*?)\n<!-- policies:end -->", readme, re.S)
-    assert match, "README.md lacks the <!-- policies:start --> ... <!-- policies:end --> block"
+def test_the_usage_guides_policy_table_matches_the_cli():
+    usage = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- policies:start -->\n(.*?)\n<!-- policies:end -->", usage, re.S)
+    assert match, "docs/usage.md lacks the <!-- policies:start --> ... <!-- policies:end --> block"
     assert match.group(1).strip() == policy_table(), (
-        "README policy table is stale: paste the output of `caote policies` between the markers"
+        "docs/usage.md's policy table is stale: paste the output of `caote policies` between the markers"
     )
 
 
@@ -431,38 +431,73 @@ def test_a_missing_eval_extra_is_one_line(capsys, monkeypatch, tmp_path):
     assert err.strip() == 'caote eval: error: accelerate is not installed: pip install "caote[eval]"'
 
 
-def test_eval_and_bench_hide_the_weight_loading_bars(capsys, monkeypatch, tmp_path):
-    from transformers.utils import logging as transformers_logging
+SHARED = (
+    "caote: load average 1.9 on 2 CPUs: torch's 2 threads will share cores and can run many times slower; "
+    "try --threads 1"
+)
 
-    enabled = {}
 
-    def record(command: str, result):
-        def run(*args, **kwargs):
-            enabled[command] = transformers_logging.is_progress_bar_enabled()
-            return result
+@pytest.mark.parametrize(
+    "load, cpus, threads, warned",
+    [(1.9, 2, 2, True), (0.9, 2, 2, False), (3.2, 4, 2, True), (2.5, 4, 2, False), (3.0, 2, 1, False)],
+)
+def test_threads_that_will_share_cores_are_said_in_one_line(monkeypatch, capsys, load, cpus, threads, warned):
+    from caote.arguments import warn_if_threads_share_cores
 
-        return run
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    warn_if_threads_share_cores(threads)
+    err = capsys.readouterr().err
+    assert err.count("\n") == (1 if warned else 0) and ("try --threads 1" in err) == warned
 
-    monkeypatch.setattr("caote.evaluation.report.run_benchmark", record("eval", 0))
-    monkeypatch.setattr(
-        "caote.benchmark.schedule.run_benchmark", record("bench", {"summary": {"targets_met": 0, "targets_total": 0}})
-    )
-    was_enabled = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.enable_progress_bar()
-    try:
-        assert run_main(capsys, "eval", "niah", "--out", str(tmp_path / "eval"))[0] == 0
-        transformers_logging.enable_progress_bar()
-        assert run_main(capsys, "bench", "--out", str(tmp_path / "bench"))[0] == 0
-    finally:
-        (transformers_logging.enable_progress_bar if was_enabled else transformers_logging.disable_progress_bar)()
-    assert enabled == {"eval": False, "bench": False}
+
+def test_torchs_own_thread_count_is_the_one_checked_when_none_is_given(monkeypatch, capsys):
+    import torch
+
+    from caote.arguments import warn_if_threads_share_cores
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.94, 1.0, 1.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    warn_if_threads_share_cores(None)
+    assert capsys.readouterr().err == SHARED + "\n"
+
+
+class Started(Exception):
+    """Raised where a command would start its long work."""
+
+
+@pytest.mark.parametrize("command", ["eval", "bench", "calibrate"])
+def test_the_long_commands_say_when_their_threads_will_share_cores(command, monkeypatch, capsys, tmp_path):
+    import torch
+
+    def start(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr("caote.evaluation.report.run_benchmark", start)
+    monkeypatch.setattr("caote.benchmark.schedule.run_benchmark", start)
+    monkeypatch.setattr("caote.models.load_model", start)
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    argv = {
+        "eval": ["eval", "niah", "--out", str(tmp_path)],
+        "bench": ["bench", "--out", str(tmp_path)],
+        "calibrate": ["calibrate", "--out", str(tmp_path / "p.safetensors")],
+    }[command]
+    with pytest.raises(Started):
+        main([*argv, "--threads", "2"])
+    assert capsys.readouterr().err == SHARED + "\n"
+    assert threads == ([2] if command == "calibrate" else [])  # eval and bench set theirs when they start
 
 
 def test_bench_help_prints_lists_not_tuples(capsys):
     code, out, _ = run_main(capsys, "bench", "--help")
     text = " ".join(out.split())
     assert code == 0 and "('" not in text and "(default 2048,4096,8192,16384)" in text
-    assert "(default streamingllm, h2o, tova, h2o+caote, tova+caote, tova+fastcaote, snapkv+caote)" in text
+    decoded = "streamingllm, h2o, tova, h2o+caote, tova+caote, tova+fastcaote, snapkv+caote, learned+caote, caote-block"
+    assert f"(default {decoded})" in text.replace("caote- block", "caote-block")  # argparse wraps at the hyphen
 
 
 # -- caote calibrate and the learned policy ----------------------------------------------------------------------

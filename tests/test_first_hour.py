@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import random_ids, tiny_model
 
-from caote.benchmark.config import BASELINE_POLICY, COMMITTED_OUT, DEFAULT_OUT
+from caote.benchmark.config import COMMITTED_OUT, DEFAULT_OUT
 from caote.cli import build_parser
 from caote.defaults import PAPER_BASES
+from caote.evaluation.choice import POLICIES as CHOICE_POLICIES
+from caote.evaluation.choice import choice_table
 from caote.evaluation.cli import TRY_GRID_TIME
 from caote.evaluation.config import config_from_args
 from caote.evaluation.fidelity import FidelityMeter
@@ -154,28 +156,13 @@ def test_the_main_job_time_and_rows_are_quoted_from_one_constant():
     assert not re.search(r"~\s*7[ -]min", _words(help_text.getvalue()) + evaluation)
 
 
-def _decode_range(ratios: dict, chosen) -> str:
-    """``"0.50–0.73"``: the smallest and largest decode speed against a full cache of the budget's size over the
-    policies ``chosen`` picks, at 2k, 4k and 8k tokens."""
-    values = [
-        by_policy["decode_vs_full_at_budget"]
-        for context in ("2048", "4096", "8192")
-        for policy, by_policy in ratios[context].items()
-        if "decode_vs_full_at_budget" in by_policy and chosen(policy)
-    ]
-    return f"{min(values):.2f}–{max(values):.2f}"
-
-
-def test_the_readme_decode_ratios_are_those_of_the_committed_benchmark():
-    ratios = json.loads((ROOT / COMMITTED_OUT / "results.json").read_text(encoding="utf-8"))["summary"]["ratios"]
-    value_aware = _decode_range(ratios, lambda policy: "+" in policy)
-    plain = _decode_range(ratios, lambda policy: "+" not in policy and policy != BASELINE_POLICY)
-    baseline = _decode_range(ratios, lambda policy: policy == BASELINE_POLICY)
-    sentence = (
-        f"the value-aware ones decode at {value_aware}x the speed of a full cache of the same size at 2k–8k, plain "
-        f"h2o and tova at {plain}x ({BASELINE_POLICY}, which scores nothing, at {baseline}x"
-    )
-    assert sentence in _words(README)
+def test_the_readmes_choice_table_is_generated_from_the_committed_runs():
+    match = re.search(r"<!-- choice:start -->\n(.*?)\n<!-- choice:end -->", README, re.S)
+    assert match, "README.md lacks the <!-- choice:start --> ... <!-- choice:end --> block"
+    table = choice_table(ROOT / "docs" / "results", ROOT / COMMITTED_OUT / "results.json")
+    assert match.group(1) == table, "stale: paste `python -m caote.evaluation.choice` between the markers"
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(CHOICE_POLICIES) and all("–" not in row for row in rows), "a policy lacks a measurement"
 
 
 # -- item 15: caote-ahead's attention-output fidelity -------------------------------------------------------------
