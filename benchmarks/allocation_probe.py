@@ -34,21 +34,14 @@ import torch
 from tqdm import tqdm
 
 import caote.evaluation.lockstep as lockstep
-from caote.cache import EvictionCache
+from caote.cache import EvictionCache, evicting_layers
 from caote.evaluation.calibration import calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
-from caote.evaluation.reference import UNBOUNDED
 from caote.layer import EvictionLayer
 from caote.learned import Predictor
 from caote.models import load_model
 
 POLICIES = ("learned+caote", "tova+caote", "h2o+caote", "oracle")
-
-
-def evicting_layers(model) -> list[int]:
-    """The layers an `EvictionCache` evicts (all, or a hybrid model's full-attention ones), by the cache's own rule."""
-    with EvictionCache(model, budget=UNBOUNDED, policy="full") as cache:
-        return [index for index, layer in enumerate(cache.layers) if isinstance(layer, EvictionLayer)]
 
 
 def captured_curve(future, layers: list[int], heads: int, tokens: int, block_size: int, longest: int) -> torch.Tensor:

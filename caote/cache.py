@@ -149,6 +149,15 @@ class CacheStats:
         return self.full_kv_bytes - self.kv_bytes
 
 
+def evicting_layers(model: nn.Module) -> list[int]:
+    """The decoder layers an `EvictionCache` of ``model`` evicts in: every layer, except that a hybrid model's
+    sliding-window layers keep their own window (a model whose every layer slides evicts in all of them)."""
+    windows = sliding_windows(model)
+    if all(window is not None for window in windows):
+        return list(range(len(windows)))
+    return [index for index, window in enumerate(windows) if window is None]
+
+
 class EvictionCache(Cache):
     """A bounded KV cache: after every forward step each layer holds at most ``budget`` tokens.
 
@@ -193,13 +202,12 @@ class EvictionCache(Cache):
         windows = sliding_windows(model)
         context = CacheContext(model, future, any(window is not None for window in windows), stand_in)
         self.strategy = strategy_for(self.settings, context) if self.policy.evicts else None
+        evicting = evicting_layers(model)
         every_layer_slides = all(window is not None for window in windows)
         super().__init__(
             layers=[
-                DynamicSlidingWindowLayer(window)
-                if window is not None and not every_layer_slides
-                else EvictionLayer(self.settings)
-                for window in windows
+                EvictionLayer(self.settings) if index in evicting else DynamicSlidingWindowLayer(window)
+                for index, window in enumerate(windows)
             ]
         )
         self.model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__

@@ -20,9 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from caote.benchmark.config import FULL_AT_BUDGET
 from caote.benchmark.sample import configuration_cache
-from caote.cache import EvictionCache
-from caote.layer import EvictionLayer
-from caote.settings import CacheSettings
+from caote.cache import EvictionCache, evicting_layers
 
 COUNTED_STEPS = 4  # decode steps counted after the warm-up ones; the count is their mean
 
@@ -93,23 +91,13 @@ def decode_step_operators(model, ids: torch.Tensor, configuration: str, budget: 
     }
 
 
-def evicting_layers(model, budget: int, block: int) -> list[int]:
-    """The layers an `EvictionCache` of ``model`` evicts in (full attention; a hybrid model's sliding layers keep
-    their own window)."""
-    cache = EvictionCache(model, CacheSettings(budget=budget, policy="streamingllm", block_size=block))
-    try:
-        return [index for index, layer in enumerate(cache.layers) if isinstance(layer, EvictionLayer)]
-    finally:
-        cache.close()
-
-
 def operator_counts(model, ids: torch.Tensor, policies, budget: int, block: int) -> dict:
     """Per policy: the operators a decode step adds over ``full@b``'s, per evicting layer (``extra_per_layer``:
     everything the step adds, the work the layers share included, divided by the evicting layers), split into what
     one layer's attention adds (``extra_in_layer``, the median over the evicting layers) and what the forward adds
     once (``extra_per_forward``: the positions every layer shares, the end-of-forward eviction of the step's layers
     together), counted after a prefill of ``ids`` (at least ``budget + 1`` tokens, so that every step evicts)."""
-    layers = evicting_layers(model, budget, block)
+    layers = evicting_layers(model)
     full = decode_step_operators(model, ids, FULL_AT_BUDGET, budget, block)
     full_layer = statistics.median(full["per_layer"][index] for index in layers)
     counts = {FULL_AT_BUDGET: {"per_layer": full_layer, "per_forward": full["per_forward"]}}
