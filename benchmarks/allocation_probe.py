@@ -19,7 +19,8 @@ unevenly, by shares fitted once per model from the hindsight oracle, lowers the 
   tokens, KL over every prediction, lockstep with one full-cache pass per text.
 
 A layer's budget is its own settings' (`caote.strategies` reads ``layer.settings``); the probe hands each evicting
-layer its budget right after the cache is built (`allocated`), the one thing it adds to the library's path.
+layer its budget right after the cache is built (`allocated`, the cache class `track` builds), the one thing it adds
+to the library's path.
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-import caote.evaluation.lockstep as lockstep
 from caote.cache import EvictionCache, evicting_layers
 from caote.evaluation.calibration import calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
@@ -80,10 +79,11 @@ def allocate(curves: torch.Tensor, budget: int, step: int, floor: int, cap: int)
 ALLOCATIONS = {"calibrated": (0.25, 4.0), "bounded": (0.5, 2.0)}
 
 
-@contextmanager
-def allocated(budgets: list[int] | None):
-    """While active, every cache the lockstep builds gives its ``l``-th evicting layer budget ``budgets[l]``
-    (validated against the sinks and the recent window by `CacheSettings.replace`); None leaves them uniform."""
+def allocated(budgets: list[int] | None) -> type[EvictionCache]:
+    """The cache class whose ``l``-th evicting layer keeps ``budgets[l]`` tokens (validated against the sinks and the
+    recent window by `CacheSettings.replace`), for `track`'s ``cache_class``; None: the uniform `EvictionCache`."""
+    if budgets is None:
+        return EvictionCache
 
     class Allocated(EvictionCache):
         def __init__(self, model, settings=None, **values):
@@ -109,14 +109,7 @@ def allocated(budgets: list[int] | None):
             extra = visible(*mask.shape[:-1], width - mask.shape[-1], dtype=mask.dtype, device=mask.device)
             return torch.cat([extra, mask], dim=-1)
 
-    if budgets is None:
-        yield
-        return
-    lockstep.EvictionCache = Allocated
-    try:
-        yield
-    finally:
-        lockstep.EvictionCache = EvictionCache
+    return Allocated
 
 
 def evaluation_texts(tokenizer, predictor: Predictor, count: int, length: int) -> list:
@@ -171,8 +164,9 @@ def main() -> None:
             runs += [(policy, name, shares[(name, b)]) for name in ALLOCATIONS for policy in POLICIES]
             runs += [("oracle", "hindsight", allocate(own, b, b // 4, b // 4, longest))]
             for policy, allocation, layer_budgets in runs:
-                with allocated(layer_budgets):
-                    result = track(model, ids, reference, policy, b, skip_prefix=False)
+                result = track(
+                    model, ids, reference, policy, b, skip_prefix=False, cache_class=allocated(layer_budgets)
+                )
                 rows.append(
                     {
                         "text": text.id,

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-import caote.evaluation.lockstep as lockstep
 from caote.cache import EvictionCache, evicting_layers
-from caote.evaluation.calibration import calibration_texts
+from caote.evaluation.calibration import TEXT_ID, calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
 from caote.future import FutureAttention
 from caote.learned import Predictor
@@ -44,9 +43,8 @@ def captured_share(future: FutureAttention, layer: int, seen: int, kept: torch.T
     return torch.where(best > 0, held / best, torch.nan)
 
 
-@contextmanager
-def recording(shares: dict[int, list[float]], future: FutureAttention, budget: int):
-    """While active, every cache the lockstep builds appends, after each forward that leaves an evicting layer
+def recording(shares: dict[int, list[float]], future: FutureAttention, budget: int) -> type[EvictionCache]:
+    """The cache class (for `track`'s ``cache_class``) that appends, after each forward that leaves an evicting layer
     holding fewer tokens than it has seen, that layer's captured share per KV head to ``shares[layer]``."""
 
     class Recording(EvictionCache):
@@ -58,22 +56,17 @@ def recording(shares: dict[int, list[float]], future: FutureAttention, budget: i
                 if layer.keys is None or layer.keys.shape[-2] >= seen:
                     continue  # nothing evicted yet
                 share = captured_share(future, index, seen, layer.kept_positions()[0], budget)
-                shares.setdefault(index, []).extend(value for value in share.tolist() if value == value)
+                shares.setdefault(index, []).extend(value for value in share.tolist() if not math.isnan(value))
 
-    lockstep.EvictionCache = Recording
-    try:
-        yield
-    finally:
-        lockstep.EvictionCache = EvictionCache
+    return Recording
 
 
 def validation_texts(tokenizer, predictor: Predictor) -> list:
-    """The excerpts ``predictor``'s validation measured, rebuilt from their ids
-    (``<domain>-<document>-<length>[-k]``)."""
+    """The excerpts ``predictor``'s validation measured (`caote.evaluation.calibration.TEXT_ID` names their domain
+    and length), in its order."""
     ids = predictor.validation["texts"]
-    domain = {"code": "code", "essay": "essays"}[ids[0].split("-")[0]]
-    length = int(next(part for part in ids[0].split("-")[2:] if part.isdigit()))
-    by_id = {text.id: text for text in calibration_texts(tokenizer, domain, length)}
+    kind, _, length = TEXT_ID.fullmatch(ids[0]).groups()
+    by_id = {text.id: text for text in calibration_texts(tokenizer, {"essay": "essays"}.get(kind, kind), int(length))}
     return [by_id[text_id] for text_id in ids]
 
 
@@ -88,8 +81,8 @@ def measure(
         for budget in budgets:
             for policy in policies:
                 shares: dict[int, list[float]] = {}
-                with recording(shares, reference.future, budget):
-                    result = track(model, ids, reference, policy, budget, skip_prefix=False)
+                watched = recording(shares, reference.future, budget)
+                result = track(model, ids, reference, policy, budget, skip_prefix=False, cache_class=watched)
                 rows.append(
                     {
                         "text": text_id,
@@ -103,14 +96,17 @@ def measure(
 
 
 def table(rows: list[dict], budgets: list[int]) -> str:
-    """Markdown: per policy, the captured share of each evicting layer (mean over texts) and the mean KL, per budget."""
+    """Markdown: per policy, the captured share of each evicting layer (mean over texts) and the mean KL, per budget
+    (a budget at which nothing was evicted has no row)."""
     policies = list(dict.fromkeys(row["policy"] for row in rows))
-    layers = list(rows[0]["shares"])
+    layers = list(dict.fromkeys(layer for row in rows for layer in row["shares"]))
     header = "| policy | budget | " + " | ".join(f"layer {layer}" for layer in layers) + " | all layers | KL |"
     lines = [header, "|" + "---|" * (len(layers) + 4)]
     for budget in budgets:
         for policy in policies:
-            chosen = [row for row in rows if row["policy"] == policy and row["budget"] == budget]
+            chosen = [row for row in rows if row["policy"] == policy and row["budget"] == budget and row["shares"]]
+            if not chosen:
+                continue
             per_layer = [statistics.fmean(row["shares"][layer] for row in chosen) for layer in layers]
             kl = statistics.fmean(row["kl"] for row in chosen)
             cells = " | ".join(f"{share:.3f}" for share in per_layer)

@@ -8,6 +8,7 @@ argument into `UsageError`, which `caote.cli.main` reports in one line with exit
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -147,3 +148,10 @@ def warn_if_threads_share_cores(threads: int | None) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+@functools.cache
+def warn_once_if_threads_share_cores() -> None:
+    """`warn_if_threads_share_cores` for torch's thread count now, at most once per process (each part of a grid
+    starts its rows)."""
+    warn_if_threads_share_cores(None)

@@ -205,7 +205,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    warn_if_threads_share_cores(args.threads)
     from caote.models import load_model
 
     model, tokenizer = load_model(args.model)
@@ -214,6 +213,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if positions is not None and length > positions:
         raise UsageError(f"--length {length} exceeds the {positions} positions of {args.model!r}")
     fit, held = split_texts(args, tokenizer, length, given)
+    warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line
     validation_budgets = validation_budgets or [budgets[0], 4 * budgets[0]]
     runs = 0 if args.no_validation else len(held) * len(LEARNED + CANDIDATES) * len(validation_budgets)
     from tqdm.auto import tqdm

@@ -32,14 +32,14 @@ AUTO_LEARNED = "learned+caote"
 AUTO_TRAINING_FREE = {256: "caote-block", 1024: "snapkv+caote"}
 # the learned policy's calibration (`caote calibrate`, caote.evaluation.calibration): evicting passes at these budgets
 # (on held-out dev essays one calibrated at 128 alone did as well at 256 as one calibrated at 128, 256 and 512, with a
-# third of the evicting passes: docs/results.md), these feature groups (of caote.learned.FEATURE_GROUPS), texts of this
+# third of the evicting passes: docs/learned.md), these feature groups (of caote.learned.FEATURE_GROUPS), texts of this
 # domain's dev split
 CALIBRATION_BUDGETS = (128,)
 FEATURE_GROUPS = ("scalars", "key", "value")
 DEFAULT_FEATURE_GROUPS = ("scalars", "key")
 # rows weighted by (future mass / the group's mean) ** this (caote.evaluation.calibration.mass_weights); 0: unweighted
 CALIBRATION_MASS_WEIGHT = 1.0
-CALIBRATION_ROUNDS = 2  # the second round evicts by the first round's predictor (on-policy rows; docs/results.md)
+CALIBRATION_ROUNDS = 2  # the second round evicts by the first round's predictor (on-policy rows; docs/learned.md)
 CALIBRATION_LENGTH = 1024  # tokens per calibration excerpt, the standard grid's length ...
 CALIBRATION_WINDOWS = 4  # ... or this many sliding windows for a model mixing sliding and full layers (Gemma-3: 2,048)
 CALIBRATION_TOKENS = 40 * 1024  # excerpts per round unless --count: this many tokens (40 excerpts of 1,024)

@@ -43,7 +43,7 @@ from caote.value_aware import aggregate_groups, caote_errors, group_query_heads,
 FEATURE_SET = "caote-learned-1"  # bump when the features below change: a predictor of another set is refused
 RECENT_ROWS = 16  # the newest query rows the features read
 # newest tokens the learned policies protect (and calibration assumes): 16 gave lower KL than H2O's half budget on
-# held-out dev essays at budgets 128 and 256 (docs/results.md, "Learned from hindsight")
+# held-out dev essays at budgets 128 and 256 (docs/learned.md, "Features and protected window")
 LEARNED_RECENT = 16
 # a decode step predicts every held token afresh once in this many steps (when a token has waited one step fewer for
 # a prediction, or would leave the protected window without one); in between it reuses each token's last prediction
@@ -178,6 +178,17 @@ def model_fingerprint(model: nn.Module) -> str:
     return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
 
 
+def _stored_fingerprint(path: Path) -> str | None:
+    """The model fingerprint in a predictor file's header, or None when the header cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            return (file.metadata() or {}).get("fingerprint")
+    except (OSError, RuntimeError, ValueError, SafetensorError):
+        return None
+
+
 @dataclass
 class Predictor:
     """Per-(layer, KV head) weights ``(L, H_kv, F)`` over the features of ``groups`` and what they were fitted on."""
@@ -279,8 +290,8 @@ class Predictor:
         for it; a shipped file that does not fit the model is refused in one line, never taken for a missing one."""
         fingerprint = model_fingerprint(model)
         for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors")):
-            predictor = cls.load(candidate)
-            if predictor.fingerprint == fingerprint:
+            if _stored_fingerprint(candidate) == fingerprint:  # another model's file is never read whole
+                predictor = cls.load(candidate)
                 return predictor.check_fits(model, f"shipped for {predictor.model!r}")
         return None
 

@@ -309,8 +309,8 @@ def _torch_dtype(dtype):
 
 @contextmanager
 def _loading_bars_hidden() -> Iterator[None]:
-    """Hide transformers' (and the hub's) progress bars, "Loading weights" among them, inside the block, and show
-    them again after it if they were shown; caote's own messages (the conversion notice) still print."""
+    """Hide transformers' progress bars inside the block ("Loading weights" of a model already on disk), and show
+    them again after it if they were shown; caote's own messages, and a first use's conversion, are outside it."""
     from transformers.utils import logging as transformers_logging
 
     shown = transformers_logging.is_progress_bar_enabled()
@@ -336,8 +336,8 @@ def load_model(
     accelerate (e.g. ``device_map="auto", max_memory={"cpu": "200MiB"}``: what does not fit is offloaded to disk).
 
     A missing path or a bad ``dtype`` is a one-line `ValueError`; a hub id that is neither cached nor reachable
-    (offline mode or no network) is a one-line `RuntimeError`, raised at once. transformers' progress bars are hidden
-    while it loads."""
+    (offline mode or no network) is a one-line `RuntimeError`, raised at once. The weights load without
+    transformers' progress bars."""
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
     extra = {} if name in BUNDLED else check_model_name(name)
@@ -346,15 +346,15 @@ def load_model(
     dtype = _torch_dtype(dtype)
     placement = {"device_map": device_map, "max_memory": max_memory, "offload_folder": offload_folder}
     placement = {key: value for key, value in placement.items() if value is not None}
-    with _loading_bars_hidden():
-        path = resolve_model_path(name)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    path = resolve_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+        with _loading_bars_hidden():
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation=attn_implementation, **placement, **extra
             )
-        except OSError as error:
-            raise RuntimeError(f"cannot load model {name!r}: {str(error).splitlines()[0]}") from None
+    except OSError as error:
+        raise RuntimeError(f"cannot load model {name!r}: {str(error).splitlines()[0]}") from None
     if device is not None:
         model = model.to(device)
     if tokenizer.pad_token is None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from transformers import AutoTokenizer
 
 from caote.testing import tiny_model
 
-__all__ = ["RandomIds", "greedy", "needs_compiler", "random_ids", "tiny_model"]
+__all__ = ["RandomIds", "greedy", "load_script", "needs_compiler", "random_ids", "tiny_model"]
 
 BLOCK = 32
 
@@ -58,11 +60,8 @@ def tiny_predictors():
     made = {}
 
     def for_model(cls, model, path=None):
-        try:
+        if path is not None or Predictor.shipped_for(model) is not None:
             return original(cls, model, path)
-        except ValueError:
-            if path is not None:
-                raise
         key = model_fingerprint(model)
         if key not in made:
             texts = [Text(f"random-{i}", 96, "x" * (i + 1), f"random-{i}") for i in range(4)]
@@ -82,6 +81,15 @@ def llama():
 @pytest.fixture(scope="session")
 def qwen3():
     return tiny_model("qwen3")
+
+
+def load_script(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def random_ids(length: int, batch: int = 1, seed: int = 0, vocab: int = 96) -> torch.Tensor:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import pytest
 import torch
-from conftest import random_ids
+from conftest import random_ids, tiny_model
 
 from caote.benchmark import inputs, memory
 from caote.benchmark.cli import config_from_args
-from caote.benchmark.config import TINY_LLAMA, BenchConfig
+from caote.benchmark.config import DEFAULT_POLICIES, LEARNED_POLICY, TINY_LLAMA, BenchConfig
 from caote.benchmark.document import markdown_report, report_from_json
 from caote.benchmark.interval import decode_kl, interval_study, write_study
-from caote.benchmark.schedule import run_benchmark
+from caote.benchmark.schedule import _served_by_predictors, run_benchmark
 from caote.benchmark.stats import summarise
 
 TINY_RUN = dict(
@@ -358,3 +359,24 @@ def test_the_decode_rounds_render_without_a_load_average(tiny_run):
     document, _ = tiny_run
     rounds = [{**r, "load_start": [], "load_end": []} for r in document["decode_rounds"]]
     assert "n/a -> n/a" in markdown_report({**document, "decode_rounds": rounds})
+
+
+def test_the_default_run_leaves_out_the_learned_policy_of_a_model_without_a_predictor(capsys, monkeypatch):
+    model = tiny_model("llama")  # no predictor ships for it
+    lines = []
+    served = _served_by_predictors(BenchConfig(model="tiny-llama"), model, lines.append)
+    assert LEARNED_POLICY not in served.policies + served.decode_policies and len(lines) == 1
+    assert served.policies == tuple(name for name in DEFAULT_POLICIES if name != LEARNED_POLICY)
+    with pytest.raises(ValueError, match="needs a predictor, and none ships for 'tiny-llama'"):
+        _served_by_predictors(BenchConfig(model="tiny-llama", policies=(LEARNED_POLICY,)), model, lines.append)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.9, 1.9))  # the hint follows these checks
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr("caote.benchmark.schedule.model_for", lambda name, seed: (model, None))
+
+    def started(*args):
+        raise RuntimeError("started")
+
+    monkeypatch.setattr("caote.benchmark.schedule.prompt_ids", started)
+    with pytest.raises(RuntimeError, match="^started$"):
+        run_benchmark(BenchConfig(model="tiny-llama", threads=2), None, log=lines.append)
+    assert capsys.readouterr().err.count("try --threads 1") == 1 and "leaves out learned+caote" in lines[-1]

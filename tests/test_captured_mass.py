@@ -1,27 +1,19 @@
 """The per-layer diagnosis of issue 41 (benchmarks/captured_mass.py): the share of the oracle's top-b future mass a
 policy keeps, per evicting layer."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import load_script, random_ids, tiny_model
 
-import caote.evaluation.lockstep as lockstep
-from caote.cache import EvictionCache, evicting_layers
+from caote.cache import evicting_layers
 from caote.future import FutureAttention
 
-PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "captured_mass.py"
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("captured_mass", PROBE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("captured_mass")
 
 
 def test_the_share_is_one_for_the_top_tokens_and_less_for_others(probe):
@@ -40,7 +32,6 @@ def test_shares_are_recorded_for_the_evicting_layers_only_and_only_once_they_evi
     model = tiny_model("gemma3_text")  # hybrid: sliding-window layers keep their own window
     ids = random_ids(96, seed=2, vocab=model.config.vocab_size)
     rows = probe.measure(model, [("random", ids)], [40, 200], policies=("oracle", "h2o+caote"), block=BLOCK)
-    assert lockstep.EvictionCache is EvictionCache, "the recording cache is used only inside the measurement"
     evicting = [str(layer) for layer in evicting_layers(model)]
     assert len(evicting) < model.config.num_hidden_layers
     for row in rows:
@@ -49,5 +40,5 @@ def test_shares_are_recorded_for_the_evicting_layers_only_and_only_once_they_evi
             continue
         assert list(row["shares"]) == evicting
         assert all(0.0 <= share <= 1.0 + 1e-9 for share in row["shares"].values())
-    table = probe.table([row for row in rows if row["budget"] == 40], [40])
-    assert "| oracle | 40 |" in table and "| h2o+caote | 40 |" in table
+    table = probe.table(rows, [40, 200])
+    assert "| oracle | 40 |" in table and "| h2o+caote | 40 |" in table and "| 200 |" not in table

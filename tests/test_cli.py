@@ -468,15 +468,17 @@ class Started(Exception):
 
 
 @pytest.mark.parametrize("command", ["eval", "bench", "calibrate"])
-def test_the_long_commands_say_when_their_threads_will_share_cores(command, monkeypatch, capsys, tmp_path):
+def test_the_long_commands_say_nothing_of_threads_before_their_checks(command, monkeypatch, capsys, tmp_path):
+    """A refusal (a model that does not load, a locked shard, texts too short) stays one line: the hint comes when the
+    work starts (tests/test_eval_runner.py, tests/test_benchmark.py), never before."""
     import torch
 
     def start(*args, **kwargs):
         raise Started
 
-    monkeypatch.setattr("caote.evaluation.report.run_benchmark", start)
-    monkeypatch.setattr("caote.benchmark.schedule.run_benchmark", start)
     monkeypatch.setattr("caote.models.load_model", start)
+    monkeypatch.setattr("caote.evaluation.report.load_model", start)
+    monkeypatch.setattr("caote.benchmark.sample.load_benchmark_model", start)
     threads = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
@@ -488,8 +490,8 @@ def test_the_long_commands_say_when_their_threads_will_share_cores(command, monk
     }[command]
     with pytest.raises(Started):
         main([*argv, "--threads", "2"])
-    assert capsys.readouterr().err == SHARED + "\n"
-    assert threads == ([2] if command == "calibrate" else [])  # eval and bench set theirs when they start
+    assert capsys.readouterr().err == ""
+    assert threads[0] == 2  # each sets its threads before loading the model
 
 
 def test_bench_help_prints_lists_not_tuples(capsys):

@@ -17,7 +17,7 @@ from caote.evaluation import runner, stats, tables
 from caote.evaluation.config import config_from_args
 from caote.evaluation.examples import Example
 from caote.evaluation.lockstep import fidelity, lockstep
-from caote.evaluation.rows import VOLATILE_FIELDS, load_rows, read_rows
+from caote.evaluation.rows import VOLATILE_FIELDS, RowStore, load_rows, read_rows
 from caote.evaluation.tasks import MetricSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,6 +105,23 @@ def test_resume_after_crash_gives_every_row_once(big_vocab_model, tokenizer, tmp
     assert _stable(load_rows(out)) == _stable(reference)
     # a third run has nothing left to do
     assert _run(big_vocab_model, tokenizer, out, examples) == 0
+
+
+def test_the_shared_cores_hint_comes_once_the_shard_is_ours(big_vocab_model, tokenizer, tmp_path, monkeypatch, capsys):
+    from caote.arguments import warn_once_if_threads_share_cores
+
+    warn_once_if_threads_share_cores.cache_clear()
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.9, 1.9))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with RowStore(tmp_path, 0):  # another writer holds the shard: the refusal is the only line
+        with pytest.raises(RuntimeError, match="is being written by another process"):
+            _run(big_vocab_model, tokenizer, tmp_path, _examples(1))
+    assert "--threads 1" not in capsys.readouterr().err
+    _run(big_vocab_model, tokenizer, tmp_path, _examples(1))
+    _run(big_vocab_model, tokenizer, tmp_path / "second", _examples(1))
+    assert capsys.readouterr().err.count("try --threads 1") == 1  # once per process
+    warn_once_if_threads_share_cores.cache_clear()
 
 
 def test_torn_last_line_is_cut_and_recomputed(big_vocab_model, tokenizer, tmp_path):

@@ -14,13 +14,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import random_ids, tiny_model
+from conftest import load_script, random_ids, tiny_model
 
 from caote.benchmark.config import COMMITTED_OUT, DEFAULT_OUT
 from caote.cli import build_parser
 from caote.defaults import PAPER_BASES
-from caote.evaluation.choice import POLICIES as CHOICE_POLICIES
-from caote.evaluation.choice import choice_table
 from caote.evaluation.cli import TRY_GRID_TIME
 from caote.evaluation.config import config_from_args
 from caote.evaluation.fidelity import FidelityMeter
@@ -30,6 +28,7 @@ from caote.evaluation.report import run_report
 from caote.evaluation.rows import row_key
 from caote.evaluation.summary import summarise_rows
 from caote.evaluation.tables import COMPARISON_FIELDS, write_csv
+from caote.policies import auto_training_free
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -159,10 +158,14 @@ def test_the_main_job_time_and_rows_are_quoted_from_one_constant():
 def test_the_readmes_choice_table_is_generated_from_the_committed_runs():
     match = re.search(r"<!-- choice:start -->\n(.*?)\n<!-- choice:end -->", README, re.S)
     assert match, "README.md lacks the <!-- choice:start --> ... <!-- choice:end --> block"
-    table = choice_table(ROOT / "docs" / "results", ROOT / COMMITTED_OUT / "results.json")
-    assert match.group(1) == table, "stale: paste `python -m caote.evaluation.choice` between the markers"
+    choice = load_script("choice_table")
+    table = choice.choice_table(ROOT / "docs" / "results", ROOT / COMMITTED_OUT / "results.json")
+    assert match.group(1) == table, "stale: paste `python benchmarks/choice_table.py` between the markers"
     rows = [line for line in table.splitlines() if line.startswith("| `")]
-    assert len(rows) == len(CHOICE_POLICIES) and all("–" not in row for row in rows), "a policy lacks a measurement"
+    assert len(rows) == len(choice.POLICIES) and all("–" not in row for row in rows), "a policy lacks a measurement"
+    # the rows named after auto's choices are its choices
+    assert [auto_training_free(budget) for budget in (256, 511, 512)] == ["caote-block", "caote-block", "snapkv+caote"]
+    assert "b < 512" in choice.POLICIES["caote-block"] and "b ≥ 512" in choice.POLICIES["snapkv+caote"]
 
 
 # -- item 15: caote-ahead's attention-output fidelity -------------------------------------------------------------

@@ -122,3 +122,10 @@ def test_the_benchmark_plots_say_which_way_is_better_and_colour_policies_as_the_
         for label, colour in colours.items():
             expected = plots.FULL_COLOUR if label in bench_document.FULL_LINES else plots.policy_colour(label)
             assert colour == matplotlib.colors.to_hex(expected), (name, label)
+
+
+def test_every_base_has_its_colour():
+    from caote.bases import BASE_SCORES
+
+    assert set(BASE_SCORES) <= set(plots.BASE_COLOURS), "give a new base its colour in plots.BASE_COLOURS"
+    assert plots.FULL_COLOUR not in plots.BASE_COLOURS.values()

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from caote.arguments import Parser, UsageError, int_tuple, warn_if_threads_share_cores
+from caote.arguments import Parser, UsageError, int_tuple
 from caote.benchmark.config import COMMITTED_OUT, DEFAULT_OUT, DEFAULT_REPEATS, TINY_LLAMA, BenchConfig
 
 
@@ -162,7 +162,6 @@ def command(args: argparse.Namespace) -> int:
         print(f"targets met: {summary['targets_met']} of {summary['targets_total']}")
         return 0
     config = config_from_args(args)
-    warn_if_threads_share_cores(config.threads)
     document = run_benchmark(config, args.out, log=lambda line: print(line, flush=True))
     summary = document["summary"]
     print(

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 import transformers
 
+from caote.arguments import warn_if_threads_share_cores
 from caote.benchmark.config import (
     DECODE_ROUNDS_UP_TO,
     DECODE_WARM_UP,
+    DEFAULT_POLICIES,
     FULL_AT_BUDGET,
     BenchConfig,
     validate_config,
@@ -28,6 +30,7 @@ from caote.benchmark.operators import operator_counts
 from caote.benchmark.paired import interleaved_decode
 from caote.benchmark.sample import model_for, run_isolated, run_sample
 from caote.benchmark.stats import summarise
+from caote.learned import Predictor
 
 
 def run_benchmark(config: BenchConfig, out_dir: str | Path | None = None, log=print) -> dict:
@@ -43,9 +46,28 @@ def run_benchmark(config: BenchConfig, out_dir: str | Path | None = None, log=pr
         torch.set_num_threads(threads)
 
 
+def _served_by_predictors(config: BenchConfig, model, log) -> BenchConfig:
+    """``config`` as ``model`` can run it: the default run leaves out the learned policy (said in one line) when the
+    model ships no predictor; a learned policy named with ``--policies`` is then refused in one line, before any
+    sample."""
+    learned = [name for name in config.policies if config.settings(name).policy.reads_predictor]
+    if not learned or Predictor.shipped_for(model) is not None:
+        return config
+    if config.policies != DEFAULT_POLICIES:
+        raise ValueError(f"{', '.join(learned)} needs a predictor, and none ships for {config.model!r}")
+    log(f"{config.model} ships no predictor: the run leaves out {', '.join(learned)}")
+    return dataclasses.replace(
+        config,
+        policies=tuple(name for name in config.policies if name not in learned),
+        decode_policies=tuple(name for name in config.decode_policies if name not in learned),
+    )
+
+
 def _run(config: BenchConfig, out_dir, log) -> dict:
     torch.set_num_threads(config.threads)
     model, tokenizer = model_for(config.model, config.seed)
+    config = _served_by_predictors(config, model, log)
+    warn_if_threads_share_cores(config.threads)  # after every check, so that a refusal stays one line
     ids, source = prompt_ids(tokenizer, max(config.contexts), config.text, model.config.vocab_size, config.seed)
     position_limit = allow_positions(model, max(config.contexts) + config.new_tokens)
     configurations = config.configurations()

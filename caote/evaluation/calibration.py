@@ -231,7 +231,7 @@ def check_calibration_texts(texts) -> None:
         )
 
 
-TEXT_ID = re.compile(r"(essay|code|file)-(.+?)-\d+(?:-\d+)?")  # <kind>-<document>-<length>[-<excerpt>]
+TEXT_ID = re.compile(r"(essay|code|file)-(.+?)-(\d+)(?:-\d+)?")  # <kind>-<document>-<length>[-<excerpt>]
 
 
 def document_of(text_id: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from caote.arguments import Parser, UsageError, warn_if_threads_share_cores
+from caote.arguments import Parser, UsageError
 from caote.evaluation.registry import BENCHMARKS, REPORT
 
 DEFAULT_BUDGETS = "128,256,512"
@@ -196,8 +196,6 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if not config.summarise_only:
-        warn_if_threads_share_cores(config.threads)
     if config.benchmark == REPORT:
         return report.run_report(config)
     return report.run_benchmark(config)

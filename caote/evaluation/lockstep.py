@@ -219,9 +219,11 @@ def track(
     budget: int | None,
     skip_prefix: bool = True,
     predictor: str | None = None,
+    cache_class: type[EvictionCache] = EvictionCache,
 ) -> dict:
     """One policy x budget over ``input_ids`` against ``reference``: PPL, KL, fidelity and per-block series.
-    ``skip_prefix`` takes the blocks before the first eviction from the reference (see `skippable_blocks`)."""
+    ``skip_prefix`` takes the blocks before the first eviction from the reference (see `skippable_blocks`);
+    ``cache_class`` is the cache built (a probe's subclass that watches or changes its layers)."""
     input_ids = _check_ids(model, input_ids)
     blocks = _blocks(input_ids, reference.block_size)
     settings = cell_settings(policy, budget, reference.block_size, predictor).for_model(model)
@@ -230,7 +232,7 @@ def track(
     fidelity = reference.outputs is not None
     began = time.perf_counter()
     with ExitStack() as stack, torch.no_grad():
-        cache = stack.enter_context(EvictionCache(model, settings, future=reference.future))
+        cache = stack.enter_context(cache_class(model, settings, future=reference.future))
         capture = stack.enter_context(AttentionCapture(model)) if fidelity else None
         tally = _Tally(FidelityMeter(len(capture.modules)) if capture is not None else None)
         if 0 < skipped < len(blocks):

@@ -120,7 +120,7 @@ BASE_COLOURS = {
     "caote-ahead": "tab:brown",
     "learned": "tab:cyan",
 }
-FULL_COLOUR = "gray"  # the full cache (dotted, or in `caote bench` its three configurations by line style)
+FULL_COLOUR = "navy"  # the full cache (dotted, or in `caote bench` its three configurations by line style)
 MARKERS = {"none": "o", "caote": "s", "fastcaote": "^"}  # plain / +caote / +fastcaote
 # auto, a choice among the policies drawn (per model and budget): black and thick, with its own marker
 AUTO_LINE = {"color": "black", "linestyle": "-", "linewidth": 2.2}

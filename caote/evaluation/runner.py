@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from caote.arguments import warn_once_if_threads_share_cores
 from caote.defaults import DEFAULT_BLOCK_SIZE
 from caote.evaluation.calibration import check_disjoint
 from caote.evaluation.config import EvalConfig
@@ -155,6 +156,7 @@ def run_examples(
     announce_predictor(model, *settings_of.values())
     work = [(example, *cell) for example in mine for cell in cells]
     with RowStore(out, rank) as store:
+        warn_once_if_threads_share_cores()  # the shard is ours: no refusal can follow the hint
         own_bar = bar is None
         if own_bar:
             bar = progress_bar(len(work), f"{benchmark} [{rank}]", progress, rank)
@@ -237,6 +239,7 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
         check_disjoint(calibrated, [text.id for text in texts], config.split)  # never seen in calibration
     announce_predictor(model, *cells)  # after the checks: a refusal stays one line
     with RowStore(config.out, rank) as store:
+        warn_once_if_threads_share_cores()  # the shard is ours: no refusal can follow the hint
         own_bar = bar is None
         if own_bar:
             bar = progress_bar(len(mine) * len(runs), f"{config.benchmark} [{rank}]", config.progress, rank)

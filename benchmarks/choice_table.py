@@ -1,7 +1,7 @@
 """The README's "Choosing a policy" table, generated from the committed runs: KL from the full cache and pass keys
 found on the standard and long grids (docs/results/**/*_summary.csv), decode speed, prefill time and KV memory from
 the committed benchmark (benchmarks/results/results.json). A test keeps the README's copy equal to this output:
-``python -m caote.evaluation.choice`` prints it."""
+``python benchmarks/choice_table.py`` prints it."""
 
 from __future__ import annotations
 
@@ -44,14 +44,15 @@ def _summary(path: Path, metric: str, task: str) -> dict[str, tuple[float, int]]
     return found
 
 
-def _kl_cells(results: Path) -> list[list[str]]:
-    """Per KL part, the cells of every policy (``"0.0086"``)."""
+def _kl_cells(results: Path) -> tuple[list[list[str]], list[int]]:
+    """Per KL part, the cells of every policy (``"0.0086"``), and the number of texts of each part."""
     parts = [_summary(results / name, "kl", "all") for name in KL_PARTS]
-    return [[f"{part[policy][0]:.4f}" if policy in part else "–" for part in parts] for policy in POLICIES]
+    cells = [[f"{part[policy][0]:.4f}" if policy in part else "–" for part in parts] for policy in POLICIES]
+    return cells, [part["full"][1] for part in parts]
 
 
 def _niah_cells(results: Path) -> list[list[str]]:
-    """Per NIAH part, ``"5 · 5"``: pass keys found in-prompt and question-after (of 10 examples each)."""
+    """Per NIAH part, ``"5 · 5"``: pass keys found in-prompt and question-after."""
     cells = [[] for _ in POLICIES]
     for name in NIAH_PARTS:
         by_protocol = [_summary(results / name, "score", protocol) for protocol in PROTOCOLS]
@@ -88,8 +89,11 @@ def _bench_cells(bench: dict) -> list[list[str]]:
 def choice_table(results: Path, bench_json: Path) -> str:
     """The table, as markdown lines (no trailing newline)."""
     bench = json.loads(bench_json.read_text(encoding="utf-8"))
-    budget = bench["meta"]["config"]["budget"]
-    kl, niah, cost = _kl_cells(results), _niah_cells(results), _bench_cells(bench)
+    meta = bench["meta"]
+    budget = meta["config"]["budget"]
+    (kl, texts), niah, cost = _kl_cells(results), _niah_cells(results), _bench_cells(bench)
+    examples = _summary(results / NIAH_PARTS[0], "score", PROTOCOLS[0])["full"][1]
+    loads = [*meta["load_average_start"][:1], *meta["load_average_end"][:1]]
     lines = [
         "| policy | KL 1k | KL 4k essays | KL 4k code | KL 8k essays | KL 8k code | pass keys 1k | pass keys 8k "
         "| KV at 8k | prefill 8k | decode 8k |",
@@ -100,20 +104,21 @@ def choice_table(results: Path, bench_json: Path) -> str:
         lines.append(f"| `{policy}`{role} | {' | '.join(cells)} |")
     lines.append("")
     lines.append(
-        f"KL from the full cache's next-token distribution (lower is better) and pass keys found (of 10, in-prompt · "
-        f"question-after; higher is better) at budget {BUDGET} tokens per layer: 1k and 4k on SmolLM2-135M (20 test "
-        "essays; 10 windows of joined essays, 10 code files), 8k on Gemma-3 270M (10 each), from "
-        "[docs/results.md](docs/results.md) and [docs/results/long.md](docs/results/long.md). The last three columns: "
-        f"`caote bench` on SmolLM2 at 8k tokens and budget {budget} "
-        "([benchmarks/results/results.md](benchmarks/results/results.md)): KV bytes at the peak, prefill time against "
-        f"the full cache's (sdpa), decoding speed against a full cache holding {budget} tokens (for `full`: its own "
-        "prefill time and tokens/s)."
+        f"KL from the full cache's next-token distribution (lower is better) and pass keys found (of {examples}, "
+        f"in-prompt · question-after; higher is better) at budget {BUDGET} tokens per layer: 1k and 4k on SmolLM2-135M "
+        f"({texts[0]} test essays; {texts[1]} windows of joined essays, {texts[2]} code files), 8k on Gemma-3 270M "
+        f"({texts[3]} and {texts[4]}), from [docs/results.md](docs/results.md) and "
+        "[docs/results/long.md](docs/results/long.md). The last three columns: `caote bench` on SmolLM2 at 8k tokens "
+        f"and budget {budget}, run {meta['started'][:10]} (load average {loads[0]:.2f} at its start, {loads[1]:.2f} "
+        "at its end; [benchmarks/results/results.md](benchmarks/results/results.md)): KV bytes at the peak, prefill "
+        f"time against the full cache's (sdpa), decoding speed against a full cache holding {budget} tokens (for "
+        "`full`: its own prefill time and tokens/s)."
     )
     return "\n".join(lines)
 
 
 def main() -> None:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     print(choice_table(root / "docs" / "results", root / "benchmarks" / "results" / "results.json"))
 
 
