@@ -94,7 +94,7 @@ def _add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         default=DEFAULT_POLICY,
         help="eviction policy, see 'caote policies' (default: %(default)s: the model's learned policy when its "
-        "predictor helps, else caote-block below budget 512 and snapkv+caote from 512; --stats names the one used)",
+        "predictor helps, else tova+caote below budget 512 and h2o+caote from 512; --stats names the one used)",
     )
     parser.add_argument(
         "--max-new-tokens",

@@ -317,7 +317,8 @@ def describe(name: str) -> str:
         )
         return (
             "the default: the model's learned policy when its predictor's validation says it helps, else the "
-            f"training-free one of lowest KL on the long grid at the budget ({choices}) [this library]"
+            f"training-free one of lowest KL on the long grid at the budget among those decoding at 0.9x or more of a "
+            f"full cache of the same size ({choices}) [this library]"
         )
     policy = parse_policy(name)
     if policy.base is None:

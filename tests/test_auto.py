@@ -3,6 +3,7 @@ table of training-free choices recomputed from the committed rows of the long gr
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -14,6 +15,7 @@ from conftest import RandomIds, random_ids, tiny_model
 
 import caote
 from caote import learned
+from caote.benchmark.stats import DECODE_VS_FULL_AT_BUDGET_TARGET as DECODE_LIMIT
 from caote.cache import EvictionCache
 from caote.cli import build_parser, main
 from caote.defaults import AUTO_TRAINING_FREE, DEFAULT_BUDGET
@@ -29,7 +31,8 @@ from caote.settings import CacheSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_RUNS = ROOT / "docs" / "results" / "runs" / "long"
-COMPLETE_PARTS = ("smollm2-essays-4k", "smollm2-code-4k", "gemma3-essays-8k")  # the table's evidence
+COMPLETE_PARTS = ("smollm2-essays-4k", "smollm2-code-4k", "gemma3-essays-8k", "gemma3-code-8k")  # the evidence
+BENCH = ROOT / "benchmarks" / "results" / "results.json"
 
 
 @pytest.fixture
@@ -59,12 +62,12 @@ def predictor_file(model, folder: Path, verdict: str, learned: str = "learned+ca
 
 
 def test_without_a_predictor_auto_takes_the_training_free_policy_of_the_budget(llama, nothing_shipped):
-    assert EvictionCache(llama, budget=256).policy.name == "caote-block"
-    assert EvictionCache(llama, budget=1024).policy.name == "snapkv+caote"
+    assert EvictionCache(llama, budget=256).policy.name == "tova+caote"
+    assert EvictionCache(llama, budget=1024).policy.name == "h2o+caote"
     # no model needed for this step: a budget takes the choice of the long grid's budget nearest on a log scale
     chosen = [auto_training_free(budget) for budget in (1, 511, 512, 4096)]
-    assert chosen == ["caote-block", "caote-block", "snapkv+caote", "snapkv+caote"]
-    assert CacheSettings(budget=511).policy.name == "caote-block" != CacheSettings(budget=512).policy.name
+    assert chosen == ["tova+caote", "tova+caote", "h2o+caote", "h2o+caote"]
+    assert CacheSettings(budget=511).policy.name == "tova+caote" != CacheSettings(budget=512).policy.name
 
 
 @pytest.mark.parametrize("learned", ["learned+caote", "learned"])
@@ -77,8 +80,8 @@ def test_a_predictor_that_helps_upgrades_auto_to_the_learned_policy_it_names(lla
 
 def test_a_predictor_that_does_not_help_leaves_auto_training_free(llama, tmp_path):
     path = predictor_file(llama, tmp_path, "does not help")
-    assert EvictionCache(llama, budget=256, predictor=path).policy.name == "caote-block"
-    assert EvictionCache(llama, budget=1024, predictor=path).policy.name == "snapkv+caote"
+    assert EvictionCache(llama, budget=256, predictor=path).policy.name == "tova+caote"
+    assert EvictionCache(llama, budget=1024, predictor=path).policy.name == "h2o+caote"
 
 
 def test_a_given_predictor_that_cannot_serve_the_model_is_refused_not_skipped(llama, tmp_path):
@@ -100,13 +103,13 @@ def test_a_shipped_predictor_that_does_not_fit_the_model_is_refused_not_taken_fo
     with pytest.raises(ValueError, match="^predictor shipped for 'tiny' holds weights of shape"):
         EvictionCache(llama, budget=256)
     monkeypatch.setattr(learned, "PREDICTOR_DIR", tmp_path / "none")  # nothing shipped: auto stays training-free
-    assert EvictionCache(llama, budget=256).policy.name == "caote-block"
+    assert EvictionCache(llama, budget=256).policy.name == auto_training_free(256)
 
 
 def test_replace_chooses_again_for_a_new_budget_and_a_named_policy_ends_auto():
     settings = CacheSettings(budget=256)
-    assert settings.policy.name == "caote-block" and settings.auto
-    assert settings.replace(budget=1024).policy.name == "snapkv+caote"
+    assert settings.policy.name == "tova+caote" and settings.auto
+    assert settings.replace(budget=1024).policy.name == "h2o+caote"
     named = settings.replace(policy="h2o")
     assert (named.policy.name, named.auto, named.requested) == ("h2o", False, "h2o")
     assert named.replace(policy="auto", budget=1024).requested == "auto"
@@ -124,7 +127,7 @@ def test_too_small_a_budget_is_refused_in_one_line_naming_what_auto_resolved_to(
         CacheSettings(budget=5)
     assert str(error.value) == (
         "budget 5 leaves no room to choose: it must exceed sink_tokens + recent_window = 4 + 1 "
-        "(policy auto resolved to 'caote-block')"
+        "(policy auto resolved to 'tova+caote')"
     )
     with pytest.raises(ValueError, match=r"= 4 \+ 16 \(policy auto resolved to 'learned\+caote'\)$") as error:
         EvictionCache(llama, budget=20, predictor=predictor_file(llama, tmp_path, "helps"))  # learned keeps 16 recent
@@ -138,14 +141,14 @@ def test_stats_and_repr_record_the_policy_run_and_the_one_asked_for(llama, nothi
     with EvictionCache(llama, budget=40) as cache, torch.no_grad():
         llama(input_ids=random_ids(80), cache=cache, use_cache=True)
     stats = cache.stats()
-    assert (stats.policy, stats.requested, stats.tokens_kept) == ("caote-block", "auto", 40)
-    assert repr(cache).startswith("EvictionCache(policy='caote-block' (auto), budget=40,")
+    assert (stats.policy, stats.requested, stats.tokens_kept) == ("tova+caote", "auto", 40)
+    assert repr(cache).startswith("EvictionCache(policy='tova+caote' (auto), budget=40,")
     named = EvictionCache(llama, budget=40, policy="h2o")
     assert (named.stats().policy, named.stats().requested) == ("h2o", "h2o")
     assert repr(named).startswith("EvictionCache(policy='h2o', budget=40,")
 
 
-@pytest.mark.parametrize("verdict, resolved", [("helps", "learned+caote"), ("does not help", "caote-block")])
+@pytest.mark.parametrize("verdict, resolved", [("helps", "learned+caote"), ("does not help", "tova+caote")])
 def test_an_eval_row_of_auto_records_what_it_resolved_to_and_the_verdict_is_printed_once(
     llama, tmp_path, capsys, verdict, resolved
 ):
@@ -184,7 +187,7 @@ def vocab_model(tokenizer):
     return tiny_model("llama", vocab_size=49152, max_position_embeddings=256)
 
 
-@pytest.mark.parametrize("verdict, resolved", [("helps", "learned+caote"), ("does not help", "snapkv+caote")])
+@pytest.mark.parametrize("verdict, resolved", [("helps", "learned+caote"), ("does not help", "h2o+caote")])
 def test_caote_generate_prints_the_verdict_and_names_both_policies(
     vocab_model, tokenizer, tmp_path, capsys, monkeypatch, verdict, resolved
 ):
@@ -218,11 +221,11 @@ def test_auto_is_a_name_the_evaluation_takes_and_the_benchmark_refuses(capsys):
     assert expand_policies("auto,h2o,Auto") == ["auto", "h2o"] and hindsight_policies(["auto", "oracle"]) == ["oracle"]
     arguments = ["eval", "perplexity", "--policies", "auto,tova", "--budgets"]
     assert config_from_args(build_parser().parse_args([*arguments, "256"])).policies == ["auto", "tova"]
-    with pytest.raises(ValueError, match=r"^--budgets: 5 is too small for auto \(.*resolved to 'caote-block'\)\)$"):
+    with pytest.raises(ValueError, match=r"^--budgets: 5 is too small for auto \(.*resolved to 'tova\+caote'\)\)$"):
         config_from_args(build_parser().parse_args([*arguments, "5"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--policies", "auto"])
-    assert "auto names no one policy to time: name those it resolves to (caote-block" in capsys.readouterr().err
+    assert "auto names no one policy to time: name those it resolves to (tova+caote" in capsys.readouterr().err
 
 
 # -- the default everywhere ----------------------------------------------------------------------------------------
@@ -237,10 +240,10 @@ def test_auto_is_the_default_of_the_settings_generate_the_pipeline_and_the_cli(v
     assert CacheSettings().policy.name == auto_training_free(DEFAULT_BUDGET)
     assert build_parser().parse_args(["generate", "hi"]).policy == "auto"
     result = caote.generate(vocab_model, tokenizer, "hello there", budget=32, max_new_tokens=2, return_stats=True)
-    assert (result.stats.requested, result.stats.policy) == ("auto", "caote-block")
+    assert (result.stats.requested, result.stats.policy) == ("auto", "tova+caote")
     pipe = pipeline(TASK, model=vocab_model, tokenizer=tokenizer)
     stats = pipe("hello there " * 30, question="Who?", budget=32, max_new_tokens=2, return_stats=True)["stats"]
-    assert {(item.requested, item.policy) for item in stats} == {("auto", "caote-block")}
+    assert {(item.requested, item.policy) for item in stats} == {("auto", "tova+caote")}
 
 
 def test_the_pipeline_prints_the_verdict_of_the_predictor_it_reads_once(vocab_model, tokenizer, tmp_path, capsys):
@@ -260,13 +263,14 @@ def test_the_pipeline_prints_the_verdict_of_the_predictor_it_reads_once(vocab_mo
 
 def long_grid_choices() -> tuple[dict[int, str], list[str]]:
     """Per budget of the long grid, the training-free policy of lowest geometric mean, over the perplexity parts
-    whose every cell holds all its texts, of its mean KL; and those parts."""
+    whose every cell holds all its texts, of its mean KL, among those fast enough to decode (`decodes_fast`); and
+    those parts."""
     logs: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     complete = []
     for part in LONG_GRID.parts:
         if TASKS[part.task].texts is None:  # NIAH: no KL
             continue
-        policies = [name for name in part.policies or LONG_GRID.policies if training_free(name)]
+        policies = [name for name in part.policies or LONG_GRID.policies if training_free(name) and decodes_fast(name)]
         cells = [(policy, budget) for policy in policies for budget in LONG_GRID.budgets]
         kl: dict[tuple, dict[str, float]] = defaultdict(dict)
         for row in load_rows(LONG_RUNS / part.key):
@@ -277,6 +281,15 @@ def long_grid_choices() -> tuple[dict[int, str], list[str]]:
         for policy, budget in cells:
             logs[budget][policy] += math.log(mean(kl[(policy, budget)].values()))
     return {budget: min(logs[budget], key=logs[budget].get) for budget in LONG_GRID.budgets}, complete
+
+
+def decodes_fast(name: str) -> bool:
+    """Whether the committed `caote bench` run decoded ``name`` at `DECODE_LIMIT` or more of a full cache of the same
+    size at every context of its decode rounds (a policy it did not decode is not known to)."""
+    ratios = json.loads(BENCH.read_text(encoding="utf-8"))["summary"]["ratios"]
+    measured = [by_policy[name].get("decode_vs_full_at_budget") for by_policy in ratios.values() if name in by_policy]
+    measured = [ratio for ratio in measured if ratio is not None]
+    return bool(measured) and min(measured) >= DECODE_LIMIT
 
 
 def training_free(name: str) -> bool:

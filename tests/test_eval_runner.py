@@ -160,8 +160,8 @@ def test_an_examples_row_of_auto_records_what_it_resolved_to(
         big_vocab_model, tokenizer, examples, ["auto", "tova"], [24, 4096], tmp_path, "tiny", "toy", block_size=16
     )
     rows = {(row["policy"], row["budget"]): row for row in load_rows(tmp_path)}
-    assert rows[("auto", 24)]["resolved"] == "caote-block" and rows[("auto", 24)]["evicted"]
-    assert rows[("auto", 4096)]["resolved"] == "snapkv+caote"  # the full row reused, under auto's choice at 4096
+    assert rows[("auto", 24)]["resolved"] == "tova+caote" and rows[("auto", 24)]["evicted"]
+    assert rows[("auto", 4096)]["resolved"] == "h2o+caote"  # the full row reused, under auto's choice at 4096
     assert not any("resolved" in row for (policy, _), row in rows.items() if policy != "auto")
 
 

@@ -164,8 +164,8 @@ def test_the_readmes_choice_table_is_generated_from_the_committed_runs():
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert len(rows) == len(choice.POLICIES) and all("–" not in row for row in rows), "a policy lacks a measurement"
     # the rows named after auto's choices are its choices
-    assert [auto_training_free(budget) for budget in (256, 511, 512)] == ["caote-block", "caote-block", "snapkv+caote"]
-    assert "b < 512" in choice.POLICIES["caote-block"] and "b ≥ 512" in choice.POLICIES["snapkv+caote"]
+    assert [auto_training_free(budget) for budget in (256, 511, 512)] == ["tova+caote", "tova+caote", "h2o+caote"]
+    assert "b < 512" in choice.POLICIES["tova+caote"] and "b ≥ 512" in choice.POLICIES["h2o+caote"]
 
 
 # -- item 15: caote-ahead's attention-output fidelity -------------------------------------------------------------

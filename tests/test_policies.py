@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from caote.bases import BASE_SCORES, SCHEDULES, About, BaseScore, register
-from caote.benchmark.config import BASELINE_POLICY, DEFAULT_POLICIES, LEARNED_POLICY
-from caote.defaults import AUTO_TRAINING_FREE, PAPER_GROUP
+from caote.benchmark.config import BASELINE_POLICY, BLOCK_POLICY, DEFAULT_POLICIES, LEARNED_POLICY
+from caote.defaults import PAPER_GROUP
 from caote.history import AttentionSum, RecentRows
 from caote.policies import POLICY_GROUPS, expand_policies, parse_policy, policy_name, policy_names
 from caote.strategies import STRATEGIES
@@ -72,5 +72,5 @@ def test_names_are_built_and_taken_apart_by_the_policies_alone():
 def test_the_paper_group_is_written_once():
     assert POLICY_GROUPS["paper"] == list(PAPER_GROUP) == expand_policies("paper")
     paper = tuple(name for name in PAPER_GROUP if parse_policy(name).evicts)
-    assert DEFAULT_POLICIES == (*paper, LEARNED_POLICY, AUTO_TRAINING_FREE[256])
+    assert DEFAULT_POLICIES == (*paper, LEARNED_POLICY, BLOCK_POLICY)
     assert DEFAULT_POLICIES[0] == BASELINE_POLICY
