@@ -124,6 +124,22 @@ def test_the_shared_cores_hint_comes_once_the_shard_is_ours(big_vocab_model, tok
     warn_once_if_threads_share_cores.cache_clear()
 
 
+def test_a_bar_handed_in_is_not_advanced_for_rows_already_stored(big_vocab_model, tokenizer, tmp_path):
+    class Counting:
+        n = 0
+
+        def update(self, count):
+            self.n += count
+
+    examples = _examples(1)
+    _run(big_vocab_model, tokenizer, tmp_path, examples)
+    bar = Counting()  # run_parts' bar starts at the rows stored: a resumed run must not count them again
+    runner.run_examples(
+        big_vocab_model, tokenizer, examples, POLICIES, BUDGETS, tmp_path, "tiny", "toy", block_size=16, bar=bar
+    )
+    assert bar.n == 0
+
+
 def test_torn_last_line_is_cut_and_recomputed(big_vocab_model, tokenizer, tmp_path):
     examples = _examples(1)
     out = tmp_path / "torn"

@@ -167,7 +167,8 @@ def run_examples(
         for example, policy, budget in work:
             key = row_key(model_name, example.id, policy, budget)
             if key in store:
-                bar.update(1)
+                if own_bar:  # a bar handed in counts the stored rows in its start (`caote.evaluation.report.run_parts`)
+                    bar.update(1)
                 continue
             if example.id not in ids_cache:
                 ids_cache = {example.id: prompt_ids(tokenizer, example)}
@@ -247,7 +248,8 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
         commit = code_commit()
         for text_id, length, text, unit in mine:
             pending = [run for run in runs if row_key(config.model, text_id, *run) not in store]
-            bar.update(len(runs) - len(pending))
+            if own_bar:  # as in `run_examples`
+                bar.update(len(runs) - len(pending))
             if not pending:
                 continue
             ids = tokenizer(text, return_tensors="pt").input_ids
