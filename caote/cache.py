@@ -152,7 +152,11 @@ class CacheStats:
 def evicting_layers(model: nn.Module) -> list[int]:
     """The decoder layers an `EvictionCache` of ``model`` evicts in: every layer, except that a hybrid model's
     sliding-window layers keep their own window (a model whose every layer slides evicts in all of them)."""
-    windows = sliding_windows(model)
+    return _evicting(sliding_windows(model))
+
+
+def _evicting(windows: list[int | None]) -> list[int]:
+    """`evicting_layers` from the layers' sliding windows (`caote.attention.sliding_windows`)."""
     if all(window is not None for window in windows):
         return list(range(len(windows)))
     return [index for index, window in enumerate(windows) if window is None]
@@ -202,7 +206,7 @@ class EvictionCache(Cache):
         windows = sliding_windows(model)
         context = CacheContext(model, future, any(window is not None for window in windows), stand_in)
         self.strategy = strategy_for(self.settings, context) if self.policy.evicts else None
-        evicting = evicting_layers(model)
+        evicting = _evicting(windows)
         every_layer_slides = all(window is not None for window in windows)
         super().__init__(
             layers=[

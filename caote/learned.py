@@ -178,15 +178,15 @@ def model_fingerprint(model: nn.Module) -> str:
     return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
 
 
-def _stored_fingerprint(path: Path) -> str | None:
-    """The model fingerprint in a predictor file's header, or None when the header cannot be read."""
+def _header(path: Path) -> dict:
+    """A predictor file's metadata (its model, fingerprint, ...) without its weights; empty when it cannot be read."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as file:
-            return (file.metadata() or {}).get("fingerprint")
+            return file.metadata() or {}
     except (OSError, RuntimeError, ValueError, SafetensorError):
-        return None
+        return {}
 
 
 @dataclass
@@ -276,7 +276,10 @@ class Predictor:
             return predictor.check_fits(model, repr(str(path)))
         shipped = cls.shipped_for(model)
         if shipped is None:
-            committed = [cls.load(candidate).model for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors"))]
+            committed = [
+                _header(candidate).get("model", candidate.stem)
+                for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors"))
+            ]
             raise ValueError(
                 f"policy 'learned' needs a predictor calibrated for {name!r}: run `caote calibrate --model <model> "
                 f"--out FILE` and pass predictor=FILE (--predictor FILE); only {', '.join(committed) or 'no model'} "
@@ -290,7 +293,7 @@ class Predictor:
         for it; a shipped file that does not fit the model is refused in one line, never taken for a missing one."""
         fingerprint = model_fingerprint(model)
         for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors")):
-            if _stored_fingerprint(candidate) == fingerprint:  # another model's file is never read whole
+            if _header(candidate).get("fingerprint") == fingerprint:  # another model's file is never read whole
                 predictor = cls.load(candidate)
                 return predictor.check_fits(model, f"shipped for {predictor.model!r}")
         return None
