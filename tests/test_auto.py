@@ -301,3 +301,9 @@ def test_autos_table_is_the_long_grids_lowest_kl_at_each_budget():
     choices, complete = long_grid_choices()
     assert set(COMPLETE_PARTS) <= set(complete), complete
     assert choices == AUTO_TRAINING_FREE
+
+
+def test_a_learned_policy_without_a_predictor_names_the_models_that_ship_one(llama, tiny_predictors):
+    shipped = r"only gemma3-270m, smollm2-135m ship one$"
+    with pytest.raises(ValueError, match=rf"needs a predictor calibrated for .*{shipped}"):
+        tiny_predictors(Predictor, llama)  # the unpatched lookup: none ships for a tiny model
