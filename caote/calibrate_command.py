@@ -16,11 +16,13 @@ from caote.defaults import (
     CALIBRATION_LENGTH,
     CALIBRATION_MASS_WEIGHT,
     CALIBRATION_ROUNDS,
+    CALIBRATION_TARGET,
     CALIBRATION_TOKENS,
     CALIBRATION_WINDOWS,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CALIBRATION_DOMAIN,
     FEATURE_GROUPS,
+    FUTURE_TARGETS,
 )
 
 HELP = "fit the learned policy's importance predictor for a model to the hindsight oracle"
@@ -93,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="POWER",
         help="weigh each token's row by its future attention relative to its eviction's mean, to this power, so the "
         "fit is decided by the tokens whose eviction would be felt (0: every row alike; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--target",
+        choices=FUTURE_TARGETS,
+        default=CALIBRATION_TARGET,
+        help="what the predictor learns to rank tokens by: the attention later queries give them (mass), or how much "
+        "the later queries' outputs would change were each evicted alone (change: CAOTE's error summed over them; "
+        "default: %(default)s)",
     )
     parser.add_argument(
         "--validation-budgets",
@@ -295,6 +305,7 @@ def fit_rounds(args, model, tokenizer, fit: list, budgets: list[int], groups: li
         groups=tuple(groups),
         model_name=args.model,
         mass_weight=args.mass_weight,
+        target=args.target,
         bar=bar,
     )
 

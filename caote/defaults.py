@@ -40,6 +40,10 @@ FEATURE_GROUPS = ("scalars", "key", "value")
 DEFAULT_FEATURE_GROUPS = ("scalars", "key")
 # rows weighted by (future mass / the group's mean) ** this (caote.evaluation.calibration.mass_weights); 0: unweighted
 CALIBRATION_MASS_WEIGHT = 1.0
+# what the predictor ranks by (caote.future.received): later queries' attention, or their output change were the token
+# evicted alone
+FUTURE_TARGETS = ("mass", "change")
+CALIBRATION_TARGET = "mass"
 CALIBRATION_ROUNDS = 2  # the second round evicts by the first round's predictor (on-policy rows; docs/learned.md)
 CALIBRATION_LENGTH = 1024  # tokens per calibration excerpt, the standard grid's length ...
 CALIBRATION_WINDOWS = 4  # ... or this many sliding windows for a model mixing sliding and full layers (Gemma-3: 2,048)

@@ -2,8 +2,8 @@
 
 A `BaseScore` names its history (`caote.policies`); each evicting layer keeps the tensor the history folds rows
 into, ``(B, H_q, N)`` or ``(B, H_q, R, N)`` with the token axis last, and gathers it with the tokens it keeps.
-``fold(history, rows, in_place)``: ``in_place`` says the layer decodes in place, so its history is its own (a
-snapshot copies it) and may be written.
+``fold(history, rows, in_place, seen)``: ``in_place`` says the layer decodes in place, so its history is its own (a
+snapshot copies it) and may be written; ``seen`` is how many tokens the layer has seen, these rows' queries included.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class AttentionSum:
         """A running sum needs every row of every step."""
         return new
 
-    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False, seen: int = 0):
         if in_place and history is not None and history.shape[-1] == rows.shape[-1]:  # the same slots: add to them
             return history.add_(rows.sum(-2))
         return accumulate_attention(history, rows)
@@ -45,7 +45,7 @@ class RecentRows:
         that old fall out of the window before the next eviction (which comes once the layer exceeds ``budget``)."""
         return min(self.window, new) if retained > budget - self.window else 0
 
-    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False, seen: int = 0):
         return keep_recent_rows(history, rows, self.window)
 
     def carries_over(self, block_rows: int) -> bool:
@@ -55,17 +55,20 @@ class RecentRows:
 
 
 # rows of `SumAndRecent`'s tensor
-KEY_TERM, KEY_TERM_POSITION, PREDICTION, PREDICTION_POSITION, RECENT_START = 3, 4, 5, 6, 7
+KEY_TERM, KEY_TERM_POSITION, PREDICTION, PREDICTION_POSITION, NEWEST, RECENT_START = 3, 4, 5, 6, 7, 8
 
 
 @dataclass(frozen=True)
 class SumAndRecent:
-    """What the ``learned`` base reads (`caote.learned`), in one tensor ``(B, H_q, 7 + <=window, N)``: row 0 the
+    """What the ``learned`` base reads (`caote.learned`), in one tensor ``(B, H_q, 8 + <=window, N)``: row 0 the
     running sum of every row (H2O's), row 1 the sum and row 2 the maximum of the newest prompt block's rows (kept
-    through decode steps, which fold into rows 0 and 7+ only), row 3 the token's key term of the predictor and row 4
+    through decode steps, which fold into rows 0, 7 and 8+ only), row 3 the token's key term of the predictor and row 4
     the position it was computed for, plus one (0: none yet; `caote.learned.LayerPredictor.remember_keys` fills
     them), row 5 the token's last predicted log future mass and row 6 its position plus one (`caote.learned.
-    LayerPredictor.predict`), rows 7+ the newest ``window`` rows. Rows 3-6 travel with the token like every row."""
+    LayerPredictor.predict`), row 7 the newest row, rows 8+ the newest ``window`` rows as a ring: the row of the
+    ``c``-th query the layer has seen sits at ``8 + c % window``, so a decode step overwrites the oldest row in
+    place instead of moving the window (what reads them is blind to their order: sums and maxima). Rows 3-6
+    travel with the token like every row."""
 
     window: int
 
@@ -73,28 +76,36 @@ class SumAndRecent:
         """Every row of every step (the running sum's)."""
         return new
 
-    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-        tokens = rows.shape[-1]
+    def fold(self, history: torch.Tensor | None, rows: torch.Tensor, in_place: bool = False, seen: int = 0):
+        tokens, new = rows.shape[-1], rows.shape[-2]
         full_window = history is not None and history.shape[2] == RECENT_START + self.window
-        if in_place and full_window and rows.shape[-2] == 1 and history.shape[-1] == tokens:  # a decode step's row
-            history[:, :, 0].add_(rows[:, :, 0])
-            recent = history[:, :, RECENT_START:]
-            recent[:, :, :-1] = recent[:, :, 1:].clone()  # the window moves on by one row
-            recent[:, :, -1] = rows[:, :, 0]
+        if in_place and full_window and new == 1 and history.shape[-1] == tokens:  # a decode step's row
+            row = rows[:, :, 0]
+            history[:, :, 0].add_(row)
+            history[:, :, NEWEST] = row
+            history[:, :, RECENT_START + (seen - 1) % self.window] = row
             return history
         if history is not None and history.shape[-1] < tokens:
             history = F.pad(history, (0, tokens - history.shape[-1]))  # new tokens: no key term nor prediction yet
         total = accumulate_attention(None if history is None else history[:, :, 0], rows)
-        if rows.shape[-2] > 1 or history is None:
+        if new > 1 or history is None:
             block = [rows.sum(-2), rows.amax(-2)]
         else:
             block = [history[:, :, 1], history[:, :, 2]]
         if history is None:
-            remembered = [torch.zeros_like(total)] * (RECENT_START - KEY_TERM)
+            remembered = [torch.zeros_like(total)] * (NEWEST - KEY_TERM)
         else:
-            remembered = [history[:, :, row] for row in range(KEY_TERM, RECENT_START)]
-        recent = keep_recent_rows(None if history is None else history[:, :, RECENT_START:], rows, self.window)
-        return torch.cat([torch.stack([total, *block, *remembered], dim=2), recent], dim=2)
+            remembered = [history[:, :, row] for row in range(KEY_TERM, NEWEST)]
+        previous = None if history is None else self._ring(history[:, :, RECENT_START:], -(seen - new))
+        recent = self._ring(keep_recent_rows(previous, rows, self.window), seen)
+        return torch.cat([torch.stack([total, *block, *remembered, rows[:, :, -1]], dim=2), recent], dim=2)
+
+    def _ring(self, recent: torch.Tensor, seen: int) -> torch.Tensor:
+        """A full window of rows in arrival order, the oldest first, as the ring of ``seen`` queries (``-seen``: a
+        ring back into arrival order); a window not yet full holds every row so far, the same in both orders."""
+        if recent.shape[-2] < self.window:
+            return recent
+        return recent.roll(seen % self.window if seen >= 0 else -(-seen % self.window), dims=-2)
 
     def carries_over(self, block_rows: int) -> bool:
         """Rows of earlier forwards reach an eviction: always, for the running sum."""

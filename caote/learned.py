@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from caote.history import KEY_TERM, KEY_TERM_POSITION, PREDICTION, PREDICTION_POSITION, RECENT_START
+from caote.history import KEY_TERM, KEY_TERM_POSITION, NEWEST, PREDICTION, PREDICTION_POSITION, RECENT_START
 from caote.positions import held
 from caote.value_aware import aggregate_groups, caote_errors, group_query_heads, group_size, normalise_weights
 
@@ -113,7 +113,12 @@ def scalar_features(inputs, sink_tokens: int) -> torch.Tensor:
     recent = history[:, :, RECENT_START:]
     # the KV group's mean of: the running sum, the block's sum and maximum, the recent rows' sum and maximum, the
     # newest row
-    statistics = [history[:, :, :3], recent.sum(2, keepdim=True), recent.amax(2, keepdim=True), recent[:, :, -1:]]
+    statistics = [
+        history[:, :, :3],
+        recent.sum(2, keepdim=True),
+        recent.amax(2, keepdim=True),
+        history[:, :, NEWEST : NEWEST + 1],
+    ]
     rows = group_query_heads(torch.cat(statistics, 2), kv_heads).mean(2)
     total, block_sum, block_max, recent_sum, recent_max, newest_row = rows.unbind(2)
     recent_mean = recent_sum / seen_by.clamp_max(recent.shape[2])
@@ -373,7 +378,8 @@ class LayerPredictor:
     layers' with weights ``(B, H_kv, F)``, `Predictor.stacked`, which remembers the keys of the stack's layers).
 
     The key's part of the sum, ``w_key . [k_j, k_j^2]`` with RoPE undone, never changes for a token, so it is
-    computed once per token (`remember_keys`) and kept in the layer's history; a step computes the other columns."""
+    computed once per token (`remember_keys`, when the token is first predicted) and kept in the layer's history; a
+    step that predicts computes the other columns, and a decode step that reuses predictions computes nothing."""
 
     def __init__(self, weights: torch.Tensor, groups: tuple[str, ...], unrotate: Callable | None, sink_tokens: int):
         self.weights, self.groups, self.unrotate, self.sink_tokens = weights, groups, unrotate, sink_tokens
@@ -386,13 +392,13 @@ class LayerPredictor:
         start = len(feature_names(("scalars",), head_dim)) if "scalars" in self.groups else 0
         return slice(start, start + 2 * head_dim)
 
-    def remember_keys(self, layer) -> None:
-        """Write the key term of every real token of ``layer`` (or of a stack of layers, `caote.stacking`) that lacks
-        one (new since the last eviction) into its history (`caote.history.SumAndRecent`: rows
-        ``KEY_TERM`` and ``KEY_TERM_POSITION``)."""
+    def remember_keys(self, inputs) -> None:
+        """Write the key term of every real token of ``inputs`` (a layer's, or a stack of layers', `caote.stacking`:
+        their history is the layers' own storage) that lacks one (new since the last prediction) into the history
+        (`caote.history.SumAndRecent`: rows ``KEY_TERM`` and ``KEY_TERM_POSITION``)."""
         if "key" not in self.groups:
             return
-        history, positions = layer.history, layer.positions
+        history, positions = inputs.history, inputs.positions
         group = group_size(history.shape[1], positions.shape[1])
         missing = ~marked(history, KEY_TERM_POSITION, positions) & held(positions)
         least, most = torch.stack(torch.aminmax(missing.sum(-1))).tolist()  # one read back
@@ -405,7 +411,7 @@ class LayerPredictor:
         else:
             slots = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
         chosen = positions.gather(2, slots)
-        keys = layer.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1]))
+        keys = inputs.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, inputs.keys.shape[-1]))
         key = self.unrotate(keys.float(), chosen.clamp_min(0))
         term = linear_map(torch.cat([key, key.square()], dim=-1), self.weights[..., self._key_columns(key.shape[-1])])
         index = slots.repeat_interleave(group, dim=1)
@@ -426,6 +432,7 @@ class LayerPredictor:
             overdue = ~inputs.protected | (inputs.positions <= newest - PREDICTION_REFRESH + 1)
             if not bool((waiting & overdue).any()):
                 return history[:, ::group, PREDICTION].float().masked_fill(~predicted, -math.inf)
+        self.remember_keys(inputs)
         fresh = self.fresh(inputs)
         history[:, :, PREDICTION] = fresh.repeat_interleave(group, dim=1).to(history.dtype)
         history[:, :, PREDICTION_POSITION] = (inputs.positions + 1).repeat_interleave(group, dim=1).to(history.dtype)
@@ -433,14 +440,14 @@ class LayerPredictor:
 
     def fresh(self, inputs) -> torch.Tensor:
         """``(B, H_kv, N)`` predicted log future mass of every token held, from this step's features (the key terms
-        from the history)."""
+        from the history, where `remember_keys` wrote them)."""
         if "key" not in self.groups:
             return linear_map(self.features(inputs), self.weights)
         group = group_size(inputs.history.shape[1], inputs.positions.shape[1])
         remembered = inputs.history[:, ::group, KEY_TERM].float()
         known = marked(inputs.history, KEY_TERM_POSITION, inputs.positions)
         if not bool((known | (inputs.positions < 0)).all()):
-            raise RuntimeError("the learned policy's key terms are missing: call remember_keys before predict")
+            raise RuntimeError("the learned policy's key terms are missing: call remember_keys before fresh")
         rows = [scalar_features(inputs, self.sink_tokens)] if "scalars" in self.groups else []
         if "value" in self.groups:
             rows.append(inputs.values.float().transpose(-1, -2))

@@ -64,4 +64,5 @@ def record(
         probabilities = attention_probabilities(module, queries[:, :, -rows:], layer.keys, layer.values, mask, kwargs)
     if real is not None:  # padding queries add nothing
         probabilities = probabilities * real[:, -rows:][:, None, :, None]
-    layer.history = layer.settings.policy.base.memory.fold(layer.history, probabilities, in_place=layer.in_place)
+    memory = layer.settings.policy.base.memory
+    layer.history = memory.fold(layer.history, probabilities, layer.in_place, layer.cumulative_length)

@@ -213,26 +213,17 @@ class Learned(Immediate):
                 layer.history[:, :, [KEY_TERM_POSITION, PREDICTION_POSITION]] = 0.0
 
     def inputs(self, index: int, layer) -> dict:
-        inputs = {"predictor": self.remembered(index, layer)}
+        inputs = {"predictor": self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)}
         if self.future is not None:  # calibration: the targets the stand-in records
             inputs["future"] = self.future.at(index, layer.cumulative_length, layer.positions)
         return inputs
 
-    def remembered(self, index: int, layer):
-        """Layer ``index``'s predictor, once it has remembered the key terms of the layer's tokens new since its
-        last eviction (`caote.learned.LayerPredictor.remember_keys`)."""
-        predictor = self.predictor.layer(index, self.unrotate, self.settings.sink_tokens)
-        predictor.remember_keys(layer)
-        return predictor
-
     def stack_inputs(self, layers: dict, stack: EvictionLayer) -> dict:
-        """One predictor whose rows are the layers' (`caote.learned.Predictor.stacked`), having remembered the key
-        terms of the stack's new tokens: one pass for every layer of a decode step (the stack's history and keys
-        are the layers' own storage, `caote.stacking`, so the terms land in the layers)."""
+        """One predictor whose rows are the layers' (`caote.learned.Predictor.stacked`): one pass for every layer of
+        a decode step (the stack's history and keys are the layers' own storage, `caote.stacking`, so the key terms
+        and predictions it writes land in the layers)."""
         batch = next(iter(layers.values())).positions.shape[0]
-        predictor = self.predictor.stacked(list(layers), batch, self.unrotate, self.settings.sink_tokens)
-        predictor.remember_keys(stack)
-        return {"predictor": predictor}
+        return {"predictor": self.predictor.stacked(list(layers), batch, self.unrotate, self.settings.sink_tokens)}
 
 
 STRATEGIES = {"immediate": Immediate, "hindsight": Hindsight, "lookahead": LookAhead, "learned": Learned}

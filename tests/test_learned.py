@@ -23,6 +23,7 @@ from caote.evaluation.calibration import (
 from caote.evaluation.tasks import Text
 from caote.history import (
     KEY_TERM_POSITION,
+    NEWEST,
     PREDICTION_POSITION,
     RECENT_START,
     AttentionSum,
@@ -92,21 +93,43 @@ def test_weighing_rows_by_mass_fits_the_tokens_that_will_be_read():
 def test_sum_and_recent_keeps_h2os_sum_the_block_and_the_newest_rows():
     rows = [torch.rand(1, 2, 5, 5 * (step + 1)) for step in range(3)] + [torch.rand(1, 2, 1, 16)]
     history = total = recent = None
+    seen = 0
     for block in rows:
-        history = SumAndRecent(4).fold(history, block)
+        seen += block.shape[-2]
+        history = SumAndRecent(4).fold(history, block, seen=seen)
         total = AttentionSum().fold(total, block)
         recent = RecentRows(4).fold(recent, block)
-    assert torch.allclose(history[:, :, 0], total) and torch.equal(history[:, :, RECENT_START:], recent)
+    assert torch.allclose(history[:, :, 0], total) and torch.equal(history[:, :, NEWEST], recent[:, :, -1])
+    # the window as a ring: the row of the c-th query at c % 4 (16 queries seen: arrival order)
+    assert torch.equal(history[:, :, RECENT_START:], recent) and seen % 4 == 0
     last_block = torch.nn.functional.pad(rows[2], (0, 1))  # the decode step keeps the prompt block's statistics
     assert torch.allclose(history[:, :, 1], last_block.sum(2)) and torch.equal(history[:, :, 2], last_block.amax(2))
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_recent_rows_are_a_ring_indexed_by_the_queries_seen(in_place):
+    """Whatever mix of blocks and decode steps folds them, the c-th query's row sits at ``RECENT_START + c % 4``
+    and the newest at ``NEWEST``; a decode step in place writes into the history it was given."""
+    history, seen, every = None, 0, []
+    for new in [6, 1, 1, 3, 1, 9, 1, 1, 1, 1, 1, 2, 1]:
+        block = torch.rand(1, 2, new, 30)
+        seen += new
+        every += list(block.unbind(2))
+        folded = SumAndRecent(4).fold(history, block, in_place=in_place and new == 1, seen=seen)
+        if in_place and new == 1:
+            assert folded.data_ptr() == history.data_ptr()
+        history = folded
+        for query in range(seen - 4, seen):
+            assert torch.equal(history[:, :, RECENT_START + query % 4], every[query])
+        assert torch.equal(history[:, :, NEWEST], every[-1])
+
+
 def test_a_decode_steps_row_folds_in_place_as_the_copying_fold_does():
-    history = SumAndRecent(4).fold(None, torch.rand(1, 2, 6, 9))  # a prompt block: the window is full
+    history = SumAndRecent(4).fold(None, torch.rand(1, 2, 6, 9), seen=6)  # a prompt block: the window is full
     for step in range(3):
         row = torch.rand(1, 2, 1, 9)
-        copied = SumAndRecent(4).fold(history.clone(), row)
-        folded = SumAndRecent(4).fold(history, row, in_place=True)
+        copied = SumAndRecent(4).fold(history.clone(), row, seen=7 + step)
+        folded = SumAndRecent(4).fold(history, row, in_place=True, seen=7 + step)
         assert folded.data_ptr() == history.data_ptr() and torch.equal(folded, copied)  # the same bits, no copy
 
 
@@ -179,6 +202,9 @@ def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tm
         llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, mass_weight=0
     )
     assert unweighted.details["mass_weight"] == 0 and not torch.allclose(unweighted.weights, predictor.weights)
+    assert predictor.details["target"] == "mass"
+    change = calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, target="change")
+    assert change.details["target"] == "change" and not torch.allclose(change.weights, predictor.weights)
     with pytest.raises(ValueError, match=r"mass_weight must lie in \[0, 4\], got -0.5"):
         calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, mass_weight=-0.5)
     ids = random_ids(80)
@@ -424,8 +450,14 @@ def test_decode_steps_reuse_predictions_until_a_token_is_due(llama, recent_windo
     import caote.learned
     from caote.learned import PREDICTION_REFRESH, LayerPredictor
 
-    real_predict, real_fresh = LayerPredictor.predict, LayerPredictor.fresh
+    real_predict, real_fresh, real_remember = LayerPredictor.predict, LayerPredictor.fresh, LayerPredictor.remember_keys
     steps, last = [], {}  # per decode step (one stack of every layer): whether it predicted afresh; the last fresh
+    keyed = set()  # the decode steps that computed key terms
+
+    def remember_keys(self, inputs):
+        if inputs.new_tokens == 1:
+            keyed.add(len(steps) - 1)
+        return real_remember(self, inputs)
 
     def fresh(self, inputs):
         if inputs.new_tokens == 1:
@@ -449,10 +481,12 @@ def test_decode_steps_reuse_predictions_until_a_token_is_due(llama, recent_windo
 
     monkeypatch.setattr(LayerPredictor, "predict", predict)
     monkeypatch.setattr(LayerPredictor, "fresh", fresh)
+    monkeypatch.setattr(LayerPredictor, "remember_keys", remember_keys)
     settings = CacheSettings(budget=48, policy="learned+caote", block_size=32, recent_window=recent_window)
     greedy(llama, random_ids(100, seed=4), EvictionCache(llama, settings), new_tokens=50)
     assert PREDICTION_REFRESH == 16 and len(steps) == 49  # the prompt's tokens all predicted at its last block
     fresh_steps = [index for index, fresh_now in enumerate(steps) if fresh_now]
+    assert sorted(keyed) == fresh_steps  # a step that reuses predictions computes no key term
     assert fresh_steps[0] == first and len(fresh_steps) >= 3
     assert all(b - a == gap for a, b in zip(fresh_steps, fresh_steps[1:]))
     monkeypatch.setattr(caote.learned, "PREDICTION_REFRESH", 1)

@@ -17,6 +17,7 @@ from caote.evaluation.config import EvalConfig
 from caote.evaluation.lockstep import lockstep, reference_pass, skippable_blocks
 from caote.evaluation.rows import VOLATILE_FIELDS, load_rows, read_rows
 from caote.evaluation.tasks import Text
+from caote.future import FutureAttention, received
 
 BLOCK = 32
 BUDGET = 48
@@ -74,6 +75,33 @@ def test_oracle_keeps_the_tokens_with_the_most_future_attention(model64, monkeyp
             # the table the oracle read is the brute force's, up to float rounding
             recorded = reference.future.at(index, seen, positions)[0, head]
             assert torch.allclose(recorded, expected_future[index][head, seen, positions[0, head]], atol=1e-9)
+
+
+def test_the_change_target_sums_each_later_querys_caote_error_over_the_kv_group():
+    generator = torch.Generator().manual_seed(3)
+    probabilities = torch.softmax(4 * torch.randn(1, 4, 3, 7, generator=generator, dtype=torch.float64), -1)
+    values = torch.randn(1, 2, 7, 5, generator=generator, dtype=torch.float64)
+    expected = torch.zeros(1, 2, 7, dtype=torch.float64)
+    for head in range(4):
+        kv = head // 2
+        for row in probabilities[0, head]:
+            output = row @ values[0, kv]
+            for token, weight in enumerate(row):
+                change = weight / max(1 - weight, 0.5) * torch.linalg.vector_norm(output - values[0, kv, token])
+                expected[0, kv, token] += change
+    assert torch.allclose(received(probabilities, values, "change"), expected)
+    assert torch.allclose(received(probabilities, values, "mass"), probabilities.view(1, 2, 2, 3, 7).sum((2, 3)))
+    with pytest.raises(ValueError, match="unknown future target 'norm'; choose one of mass, change"):
+        FutureAttention("norm")
+
+
+def test_a_reference_pass_records_the_target_it_is_asked_for(model64):
+    ids = random_ids(4 * BLOCK, seed=5)
+    mass = reference_pass(model64, ids, BLOCK, future=True).future
+    change = reference_pass(model64, ids, BLOCK, future=True, future_target="change").future
+    positions = torch.arange(2 * BLOCK).expand(1, model64.config.num_key_value_heads, -1)
+    assert (mass.target, change.target) == ("mass", "change")
+    assert not torch.allclose(mass.at(0, 2 * BLOCK, positions), change.at(0, 2 * BLOCK, positions))
 
 
 def test_oracle_is_refused_where_there_is_no_future(llama, tokenizer):

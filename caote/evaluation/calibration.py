@@ -39,6 +39,7 @@ from caote.defaults import (
     CALIBRATION_BUDGETS,
     CALIBRATION_LENGTH,
     CALIBRATION_MASS_WEIGHT,
+    CALIBRATION_TARGET,
     CALIBRATION_TOKENS,
     CALIBRATION_WINDOWS,
     DEFAULT_BLOCK_SIZE,
@@ -174,9 +175,6 @@ class CollectingLayer(LayerPredictor):
         super().__init__(None, collector.groups, unrotate, sink_tokens)
         self.collector, self.index = collector, index
 
-    def remember_keys(self, layer) -> None:
-        """Nothing to remember: calibration records every feature column of every step."""
-
     def predict(self, inputs) -> torch.Tensor:
         features = self.features(inputs)
         positions = inputs.positions
@@ -285,6 +283,7 @@ def calibrate(
     model_name: str | None = None,
     rollout: Predictor | None = None,
     mass_weight: float = CALIBRATION_MASS_WEIGHT,
+    target: str = CALIBRATION_TARGET,
     bar=None,
 ) -> Predictor:
     """Fit a `Predictor` for ``model`` on ``texts`` (`caote.evaluation.tasks.Text`, never a test-split text: see
@@ -294,7 +293,9 @@ def calibrate(
     sets the policy itself leaves (a second round of on-policy distillation, DAgger-like but fitted on this round's
     rows only). The held-out texts choosing the ridge strengths were then evicted by a predictor that saw them in
     its own fit: a slightly optimistic choice. ``mass_weight``: each row weighs (its future mass / its group's
-    mean) to this power (`mass_weights`; 0 weighs every row alike). ``bar``: a progress bar to advance once per
+    mean) to this power (`mass_weights`; 0 weighs every row alike). ``target``: what the predictor learns to
+    rank by (`caote.future.received`): the attention later queries give a token (``mass``) or the change of their
+    outputs were it evicted (``change``). ``bar``: a progress bar to advance once per
     evicting pass instead of this call's own."""
     check_mass_weight(mass_weight)
     check_calibration_texts(texts)
@@ -315,7 +316,7 @@ def calibrate(
         bar = tqdm(total=len(texts) * len(budgets), desc="caote calibrate", unit="pass", disable=not progress)
     for number, text in enumerate(texts):
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)  # as the evaluation tokenises
-        reference = reference_pass(model, ids, block_size, future=True, states=set())
+        reference = reference_pass(model, ids, block_size, future=True, states=set(), future_target=target)
         for budget in budgets:
             settings = rollout_settings(budget, recent_window, block_size)
             collector = Collector(
@@ -331,7 +332,7 @@ def calibrate(
     if own_bar:
         bar.close()
     rolled_out = None if rollout is None else rollout.details.get("rolled_out_by", []) + [rollout.texts]
-    recipe = {"budgets": list(budgets), "recent_window": recent_window, "mass_weight": mass_weight}
+    recipe = {"budgets": list(budgets), "recent_window": recent_window, "mass_weight": mass_weight, "target": target}
     return _fit(model, collectors, groups, width, texts, recipe, began, model_name, rolled_out)
 
 

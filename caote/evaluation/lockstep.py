@@ -34,11 +34,10 @@ from caote.cache import CacheSnapshot, EvictionCache
 from caote.defaults import DEFAULT_BLOCK_SIZE
 from caote.evaluation.fidelity import AttentionCapture, FidelityMeter, measured
 from caote.evaluation.reference import FULL, UNBOUNDED
-from caote.future import FutureAttention
+from caote.future import FutureAttention, received
 from caote.layer import EvictionLayer
 from caote.policies import hindsight_policies, is_auto, parse_policy
 from caote.settings import CacheSettings
-from caote.value_aware import group_query_heads
 
 # evaluation follows the paper: every decoded token evicts one (the rows do not depend on the library's default)
 EVAL_DECODE_EVICTION_INTERVAL = 1
@@ -80,8 +79,8 @@ class _ReferenceCache(EvictionCache):
         if self.future_attention is None or not isinstance(layer, EvictionLayer):
             return
         probabilities = attention_probabilities(module, queries, layer.keys, layer.values, attention_mask, kwargs)
-        received = group_query_heads(probabilities.sum(2), layer.keys.shape[1]).sum(2)  # (B, H_kv, N)
-        self.future_attention.add(module.layer_idx, layer.cumulative_length, received[0])
+        given = received(probabilities, layer.values, self.future_attention.target)  # (B, H_kv, N)
+        self.future_attention.add(module.layer_idx, layer.cumulative_length, given[0])
 
 
 @dataclass
@@ -157,14 +156,16 @@ def reference_pass(
     future: bool = False,
     states: set[int] | None = None,
     scored_tail: int | None = None,
+    future_target: str = "mass",
 ) -> Reference:
     """The full cache over ``input_ids`` ``(1, T)``: per-block log-probs, attention outputs when ``fidelity``, the
     attention received from later queries (for ``oracle``) when ``future``, and the cache state after each block in
     ``states`` (None: every block; each state holds its own keys and values, so keep only those a track starts
-    from). ``scored_tail``: score only the last tokens (`scored_blocks`); earlier blocks keep their last row."""
+    from). ``scored_tail``: score only the last tokens (`scored_blocks`); earlier blocks keep their last row.
+    ``future_target``: what the future records (`caote.future.received`: attention ``mass`` or output ``change``)."""
     input_ids = _check_ids(model, input_ids)
     first_scored = scored_blocks(input_ids.shape[1], block_size, scored_tail)
-    recorder = FutureAttention() if future else None
+    recorder = FutureAttention(future_target) if future else None
     log_probs, snapshots, outputs, nll = [], [], [] if fidelity else None, 0.0
     with ExitStack() as stack, torch.no_grad():
         cache = stack.enter_context(_ReferenceCache(model, block_size, recorder))
