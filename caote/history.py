@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from caote.base_scores import accumulate_attention, keep_recent_rows
 
@@ -85,20 +84,33 @@ class SumAndRecent:
             history[:, :, NEWEST] = row
             history[:, :, RECENT_START + (seen - 1) % self.window] = row
             return history
-        if history is not None and history.shape[-1] < tokens:
-            history = F.pad(history, (0, tokens - history.shape[-1]))  # new tokens: no key term nor prediction yet
-        total = accumulate_attention(None if history is None else history[:, :, 0], rows)
+        batch, heads = rows.shape[:2]
+        old = 0 if history is None else history.shape[-1]
+        earlier = 0 if history is None else history.shape[2] - RECENT_START  # recent rows held so far
+        window = min(self.window, earlier + new)
+        folded = rows.new_empty(batch, heads, RECENT_START + window, tokens)  # every row written below
+        block_sum = rows.sum(-2)
+        folded[:, :, 0] = block_sum
+        if history is not None:
+            folded[:, :, 0, :old] += history[:, :, 0]
         if new > 1 or history is None:
-            block = [rows.sum(-2), rows.amax(-2)]
+            folded[:, :, 1] = block_sum
+            folded[:, :, 2] = rows.amax(-2)
+        # the rows remembered per token (the block's, when a decode step keeps them; key terms, predictions)
+        kept = slice(KEY_TERM if new > 1 or history is None else 1, NEWEST)
+        if history is not None:
+            folded[:, :, kept, :old] = history[:, :, kept]
+        folded[:, :, kept, old:] = 0.0  # new tokens: no key term nor prediction yet
+        folded[:, :, NEWEST] = rows[:, :, -1]
+        if new >= self.window:  # the window is this forward's newest rows: written straight into their ring slots
+            arrival = rows[:, :, -self.window :]
+            turn = seen % self.window
+            folded[:, :, RECENT_START + turn :] = arrival[:, :, : self.window - turn]
+            folded[:, :, RECENT_START : RECENT_START + turn] = arrival[:, :, self.window - turn :]
         else:
-            block = [history[:, :, 1], history[:, :, 2]]
-        if history is None:
-            remembered = [torch.zeros_like(total)] * (NEWEST - KEY_TERM)
-        else:
-            remembered = [history[:, :, row] for row in range(KEY_TERM, NEWEST)]
-        previous = None if history is None else self._ring(history[:, :, RECENT_START:], -(seen - new))
-        recent = self._ring(keep_recent_rows(previous, rows, self.window), seen)
-        return torch.cat([torch.stack([total, *block, *remembered, rows[:, :, -1]], dim=2), recent], dim=2)
+            previous = None if history is None else self._ring(history[:, :, RECENT_START:], -(seen - new))
+            folded[:, :, RECENT_START:] = self._ring(keep_recent_rows(previous, rows, self.window), seen)
+        return folded
 
     def _ring(self, recent: torch.Tensor, seen: int) -> torch.Tensor:
         """A full window of rows in arrival order, the oldest first, as the ring of ``seen`` queries (``-seen``: a

@@ -404,14 +404,19 @@ class LayerPredictor:
         least, most = torch.stack(torch.aminmax(missing.sum(-1))).tolist()  # one read back
         if most == 0:
             return
-        if least == most == 1:  # one in every KV head (a decode step): that one
-            slots = missing.to(torch.int8).argmax(dim=-1, keepdim=True)
-        elif least == most:  # as many in every KV head (a prompt block): just those
-            slots = missing.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :most]
+        tokens = positions.shape[-1]
+        if least == most and bool(missing[..., tokens - most :].all()):  # the newest slots (a prompt block's tokens)
+            slots = torch.arange(tokens - most, tokens, device=positions.device).expand(*positions.shape[:2], most)
+            chosen, keys = positions[..., tokens - most :], inputs.keys[:, :, tokens - most :]
         else:
-            slots = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
-        chosen = positions.gather(2, slots)
-        keys = inputs.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, inputs.keys.shape[-1]))
+            if least == most == 1:  # one in every KV head (a decode step in place): that one
+                slots = missing.to(torch.int8).argmax(dim=-1, keepdim=True)
+            elif least == most:  # as many in every KV head: just those
+                slots = missing.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :most]
+            else:
+                slots = torch.arange(tokens, device=positions.device).expand_as(positions)
+            chosen = positions.gather(2, slots)
+            keys = inputs.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, inputs.keys.shape[-1]))
         key = self.unrotate(keys.float(), chosen.clamp_min(0))
         term = linear_map(torch.cat([key, key.square()], dim=-1), self.weights[..., self._key_columns(key.shape[-1])])
         index = slots.repeat_interleave(group, dim=1)
