@@ -366,6 +366,11 @@ def linear_map(features: torch.Tensor, weights: torch.Tensor, feature_major: boo
     return (features * weights.unsqueeze(-2)).sum(-1)
 
 
+def per_kv_head(history: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``(B, H_q, R, N)`` history -> a view ``(B, H_kv, g, R, N)``: writing to it writes to a group's every head."""
+    return history.unflatten(1, (kv_heads, group_size(history.shape[1], kv_heads)))
+
+
 def marked(history: torch.Tensor, row: int, positions: torch.Tensor) -> torch.Tensor:
     """``(B, H_kv, N)`` bool: the tokens for which ``row`` of the history (a remembered key term's or prediction's
     position plus one, equal over a KV head's query heads) was written."""
@@ -419,10 +424,10 @@ class LayerPredictor:
             keys = inputs.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, inputs.keys.shape[-1]))
         key = self.unrotate(keys.float(), chosen.clamp_min(0))
         term = linear_map(torch.cat([key, key.square()], dim=-1), self.weights[..., self._key_columns(key.shape[-1])])
-        index = slots.repeat_interleave(group, dim=1)
-        history[:, :, KEY_TERM].scatter_(-1, index, term.repeat_interleave(group, dim=1).to(history.dtype))
-        remembered = (chosen + 1).repeat_interleave(group, dim=1).to(history.dtype)
-        history[:, :, KEY_TERM_POSITION].scatter_(-1, index, remembered)
+        grouped = per_kv_head(history, positions.shape[1])  # a view: each KV head's value written to its group
+        index = slots.unsqueeze(2).expand(-1, -1, group, -1)
+        for row, value in ((KEY_TERM, term), (KEY_TERM_POSITION, chosen + 1)):
+            grouped[:, :, :, row].scatter_(-1, index, value.to(history.dtype).unsqueeze(2).expand(-1, -1, group, -1))
 
     def predict(self, inputs) -> torch.Tensor:
         """``(B, H_kv, N)`` predicted log future mass of every token held: fresh (`fresh`, then kept in the history's
@@ -439,20 +444,18 @@ class LayerPredictor:
                 return history[:, ::group, PREDICTION].float().masked_fill(~predicted, -math.inf)
         self.remember_keys(inputs)
         fresh = self.fresh(inputs)
-        history[:, :, PREDICTION] = fresh.repeat_interleave(group, dim=1).to(history.dtype)
-        history[:, :, PREDICTION_POSITION] = (inputs.positions + 1).repeat_interleave(group, dim=1).to(history.dtype)
+        grouped = per_kv_head(history, inputs.positions.shape[1])
+        grouped[:, :, :, PREDICTION] = fresh.unsqueeze(2)
+        grouped[:, :, :, PREDICTION_POSITION] = (inputs.positions + 1).unsqueeze(2)
         return fresh
 
     def fresh(self, inputs) -> torch.Tensor:
         """``(B, H_kv, N)`` predicted log future mass of every token held, from this step's features (the key terms
-        from the history, where `remember_keys` wrote them)."""
+        from the history: call `remember_keys` first, as `predict` does)."""
         if "key" not in self.groups:
             return linear_map(self.features(inputs), self.weights)
         group = group_size(inputs.history.shape[1], inputs.positions.shape[1])
         remembered = inputs.history[:, ::group, KEY_TERM].float()
-        known = marked(inputs.history, KEY_TERM_POSITION, inputs.positions)
-        if not bool((known | (inputs.positions < 0)).all()):
-            raise RuntimeError("the learned policy's key terms are missing: call remember_keys before fresh")
         rows = [scalar_features(inputs, self.sink_tokens)] if "scalars" in self.groups else []
         if "value" in self.groups:
             rows.append(inputs.values.float().transpose(-1, -2))
