@@ -366,11 +366,6 @@ def linear_map(features: torch.Tensor, weights: torch.Tensor, feature_major: boo
     return (features * weights.unsqueeze(-2)).sum(-1)
 
 
-def per_kv_head(history: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``(B, H_q, R, N)`` history -> a view ``(B, H_kv, g, R, N)``: writing to it writes to a group's every head."""
-    return history.unflatten(1, (kv_heads, group_size(history.shape[1], kv_heads)))
-
-
 def marked(history: torch.Tensor, row: int, positions: torch.Tensor) -> torch.Tensor:
     """``(B, H_kv, N)`` bool: the tokens for which ``row`` of the history (a remembered key term's or prediction's
     position plus one, equal over a KV head's query heads) was written."""
@@ -424,7 +419,7 @@ class LayerPredictor:
             keys = inputs.keys.gather(2, slots.unsqueeze(-1).expand(-1, -1, -1, inputs.keys.shape[-1]))
         key = self.unrotate(keys.float(), chosen.clamp_min(0))
         term = linear_map(torch.cat([key, key.square()], dim=-1), self.weights[..., self._key_columns(key.shape[-1])])
-        grouped = per_kv_head(history, positions.shape[1])  # a view: each KV head's value written to its group
+        grouped = group_query_heads(history, positions.shape[1])  # a view: a KV head's value reaches its group
         index = slots.unsqueeze(2).expand(-1, -1, group, -1)
         for row, value in ((KEY_TERM, term), (KEY_TERM_POSITION, chosen + 1)):
             grouped[:, :, :, row].scatter_(-1, index, value.to(history.dtype).unsqueeze(2).expand(-1, -1, group, -1))
@@ -444,7 +439,7 @@ class LayerPredictor:
                 return history[:, ::group, PREDICTION].float().masked_fill(~predicted, -math.inf)
         self.remember_keys(inputs)
         fresh = self.fresh(inputs)
-        grouped = per_kv_head(history, inputs.positions.shape[1])
+        grouped = group_query_heads(history, inputs.positions.shape[1])
         grouped[:, :, :, PREDICTION] = fresh.unsqueeze(2)
         grouped[:, :, :, PREDICTION_POSITION] = (inputs.positions + 1).unsqueeze(2)
         return fresh
