@@ -37,8 +37,8 @@ from caote.cache import EvictionCache, evicting_layers
 from caote.evaluation.calibration import calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
 from caote.layer import EvictionLayer
-from caote.learned import Predictor
 from caote.models import load_model
+from caote.predictor import Predictor
 
 POLICIES = ("learned+caote", "tova+caote", "h2o+caote", "oracle")
 

@@ -27,8 +27,8 @@ from caote.cache import EvictionCache, evicting_layers
 from caote.evaluation.calibration import TEXT_ID, calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
 from caote.future import FutureAttention
-from caote.learned import Predictor
 from caote.models import load_model
+from caote.predictor import Predictor
 
 POLICIES = ("learned+caote", "h2o+caote", "tova+caote", "snapkv+caote", "caote-block", "oracle")
 

@@ -172,7 +172,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | No
 
 def load_predictor(path: Path, option: str, groups: list[str] | None = None):
     """The predictor at ``path`` (a `UsageError` when unreadable or, given ``groups``, of other features)."""
-    from caote.learned import Predictor
+    from caote.predictor import Predictor
 
     try:
         predictor = Predictor.load(path)

@@ -281,7 +281,7 @@ def check_settings(args: argparse.Namespace):
             compile_decode=args.compile_decode,
         )
         if settings.predictor is not None:  # readable, of this feature set: known before the model loads
-            from caote.learned import Predictor
+            from caote.predictor import Predictor
 
             Predictor.load(settings.predictor)
     except ValueError as error:

@@ -26,8 +26,8 @@ from caote.defaults import (
     DEFAULT_SEED,
     DEFAULT_SINK_TOKENS,
 )
-from caote.learned import Predictor
 from caote.policies import Policy, auto_training_free, is_auto, parse_policy
+from caote.predictor import Predictor
 from caote.value_aware import GQA_AGGREGATIONS
 
 SEED_LIMIT = 2**63 - 1  # the largest seed torch.Generator.manual_seed takes
@@ -198,7 +198,7 @@ class CacheSettings:
 
     def predictor_for(self, model) -> tuple[Predictor, str] | None:
         """The predictor these settings read on ``model`` (a learned policy's, or the one auto resolves with) and
-        where it comes from, for `caote.learned.Predictor.verdict_line`: the file ``predictor`` names, else the one
+        where it comes from, for `caote.predictor.Predictor.verdict_line`: the file ``predictor`` names, else the one
         shipped for the model. None when they read none, or auto finds none shipped; a file that cannot serve the
         model (named or shipped) is refused in one line, as is a learned policy without a predictor."""
         if not (self.auto or self.policy.reads_predictor):
@@ -213,7 +213,7 @@ class CacheSettings:
 
     def for_model(self, model) -> CacheSettings:
         """These settings as ``model`` runs them: auto upgraded to the learned policy its predictor's validation
-        names when the verdict is that it helps (`caote.learned.Predictor.helps`), else as they are."""
+        names when the verdict is that it helps (`caote.predictor.Predictor.helps`), else as they are."""
         found = self.predictor_for(model) if self.auto else None
         if found is None or not found[0].helps:
             return self

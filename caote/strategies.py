@@ -23,8 +23,8 @@ from caote.attention import attention_probabilities
 from caote.future import FutureAttention
 from caote.history import KEY_TERM_POSITION, PREDICTION_POSITION
 from caote.layer import EvictionLayer
-from caote.learned import Predictor
 from caote.lookahead import draft
+from caote.predictor import Predictor
 from caote.recording import record
 from caote.rotary import rotary_inverse
 from caote.stacking import evict_together
@@ -191,7 +191,7 @@ class LookAhead(Immediate):
 
 class Learned(Immediate):
     """`Immediate`, with each layer's slice of the model's importance predictor as the ``predictor`` score input:
-    the file ``settings.predictor`` names, or the committed one for the model (`caote.learned.Predictor.for_model`),
+    the file ``settings.predictor`` names, or the committed one for the model (`caote.predictor.Predictor.for_model`),
     or the context's stand-in (calibration: it also gets the oracle's ``future``, its targets). A decode step's
     layers are scored together with their predictors stacked (`stack_inputs`); calibration's stand-in records each
     layer's features and targets on its own, so there each layer is evicted alone."""
@@ -219,9 +219,9 @@ class Learned(Immediate):
         return inputs
 
     def stack_inputs(self, layers: dict, stack: EvictionLayer) -> dict:
-        """One predictor whose rows are the layers' (`caote.learned.Predictor.stacked`): one pass for every layer of
-        a decode step (the stack's history and keys are the layers' own storage, `caote.stacking`, so the key terms
-        and predictions it writes land in the layers)."""
+        """One predictor whose rows are the layers' (`caote.predictor.Predictor.stacked`): one pass for every
+        layer of a decode step (the stack's history and keys are the layers' own storage, `caote.stacking`, so the
+        key terms and predictions it writes land in the layers)."""
         batch = next(iter(layers.values())).positions.shape[0]
         return {"predictor": self.predictor.stacked(list(layers), batch, self.unrotate, self.settings.sink_tokens)}
 

@@ -54,7 +54,7 @@ def tiny_predictors():
     Yields the unpatched `Predictor.for_model`, for the tests of its refusal."""
     from caote.evaluation.calibration import calibrate
     from caote.evaluation.tasks import Text
-    from caote.learned import Predictor, model_fingerprint
+    from caote.predictor import Predictor, model_fingerprint
 
     original = Predictor.for_model.__func__
     made = {}

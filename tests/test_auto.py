@@ -14,7 +14,7 @@ import torch
 from conftest import RandomIds, random_ids, tiny_model
 
 import caote
-from caote import learned
+from caote import predictor as predictor_files
 from caote.benchmark.stats import DECODE_VS_FULL_AT_BUDGET_TARGET as DECODE_LIMIT
 from caote.cache import EvictionCache
 from caote.cli import build_parser, main
@@ -25,8 +25,9 @@ from caote.evaluation.grids import LONG_GRID
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import load_rows
 from caote.evaluation.tasks import Text
-from caote.learned import Predictor, feature_names, model_fingerprint
+from caote.learned import feature_names
 from caote.policies import auto_training_free, parse_policy
+from caote.predictor import Predictor, model_fingerprint
 from caote.settings import CacheSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,10 +100,12 @@ def test_a_shipped_predictor_that_does_not_fit_the_model_is_refused_not_taken_fo
     features = len(feature_names(groups, llama.config.head_dim))
     weights = torch.zeros(llama.config.num_hidden_layers - 1, llama.config.num_key_value_heads, features)
     Predictor(weights, groups, "tiny", model_fingerprint(llama), ["code-dev-1"], {}).save(tmp_path / "tiny.safetensors")
-    monkeypatch.setattr(learned, "PREDICTOR_DIR", tmp_path)
+    monkeypatch.setattr(predictor_files, "PREDICTOR_DIR", tmp_path)
     with pytest.raises(ValueError, match="^predictor shipped for 'tiny' holds weights of shape"):
         EvictionCache(llama, budget=256)
-    monkeypatch.setattr(learned, "PREDICTOR_DIR", tmp_path / "none")  # nothing shipped: auto stays training-free
+    monkeypatch.setattr(
+        predictor_files, "PREDICTOR_DIR", tmp_path / "none"
+    )  # nothing shipped: auto stays training-free
     assert EvictionCache(llama, budget=256).policy.name == auto_training_free(256)
 
 

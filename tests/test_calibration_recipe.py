@@ -8,7 +8,7 @@ from test_cli import run_main
 from caote.evaluation.calibration import calibration_length, default_count
 from caote.evaluation.tasks import Text
 from caote.evaluation.validation import CANDIDATES, LEARNED, hold_out, judge, validation_table
-from caote.learned import VERDICT_DOES_NOT_HELP, VERDICT_HELPS, Predictor
+from caote.predictor import VERDICT_DOES_NOT_HELP, VERDICT_HELPS, Predictor
 from caote.testing import tiny_model
 
 

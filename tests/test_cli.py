@@ -21,8 +21,8 @@ from conftest import needs_compiler
 from caote import generate as caote_generate
 from caote.cli import build_parser, main
 from caote.commands import policy_table
-from caote.learned import PREDICTOR_DIR, Predictor
 from caote.models import bundled_gguf_path
+from caote.predictor import PREDICTOR_DIR, Predictor
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -168,7 +168,7 @@ def test_budget_covering_the_prompt_reuses_the_full_row(big_vocab_model, tokeniz
 def test_an_examples_row_of_auto_records_what_it_resolved_to(
     big_vocab_model, tokenizer, tmp_path, tiny_predictors, monkeypatch
 ):
-    from caote.learned import Predictor
+    from caote.predictor import Predictor
 
     monkeypatch.setattr(Predictor, "for_model", classmethod(tiny_predictors))  # none ships for a tiny model
     examples = _examples(1)

@@ -30,8 +30,9 @@ from caote.history import (
     RecentRows,
     SumAndRecent,
 )
-from caote.learned import PREDICTOR_DIR, Predictor, feature_names, model_fingerprint
+from caote.learned import feature_names
 from caote.policies import parse_policy, policy_names
+from caote.predictor import PREDICTOR_DIR, Predictor, model_fingerprint
 from caote.rotary import rotary_inverse
 from caote.settings import CacheSettings
 

@@ -30,7 +30,7 @@ from caote.benchmark.operators import operator_counts
 from caote.benchmark.paired import interleaved_decode
 from caote.benchmark.sample import model_for, run_isolated, run_sample
 from caote.benchmark.stats import summarise
-from caote.learned import Predictor
+from caote.predictor import Predictor
 
 
 def run_benchmark(config: BenchConfig, out_dir: str | Path | None = None, log=print) -> dict:

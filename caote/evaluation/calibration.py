@@ -49,15 +49,8 @@ from caote.evaluation.data import document_excerpts, essay_names, split_of
 from caote.evaluation.lockstep import reference_pass
 from caote.evaluation.perplexity import domain_texts
 from caote.evaluation.tasks import Text
-from caote.learned import (
-    EPSILON,
-    LEARNED_RECENT,
-    LayerPredictor,
-    Predictor,
-    feature_names,
-    linear_map,
-    model_fingerprint,
-)
+from caote.learned import EPSILON, LEARNED_RECENT, LayerPredictor, feature_names, linear_map
+from caote.predictor import Predictor, model_fingerprint
 from caote.rotary import rotary_inverse
 from caote.settings import CacheSettings
 

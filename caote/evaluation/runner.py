@@ -31,8 +31,8 @@ from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import RowStore, code_commit, row_key
 from caote.evaluation.tasks import Text
 from caote.generation import announce_predictor, generate_ids
-from caote.learned import Predictor
 from caote.pipeline import CaoteTextGenerationPipeline
+from caote.predictor import Predictor
 
 
 def progress_bar(total: int, description: str, enabled: bool, rank: int):

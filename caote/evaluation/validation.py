@@ -8,14 +8,14 @@ Each excerpt is read once with the full cache and once per (policy, budget) in l
                 mean KL(learned, b) < mean KL(best candidate at b)  and  lower on >= 2/3 of the excerpts
 
 and "does not help" otherwise. The table, the verdict and the excerpts' ids are stored in the predictor's metadata
-(`caote.learned.Predictor.validation`); `auto` reads the verdict.
+(`caote.predictor.Predictor.validation`); `auto` reads the verdict.
 """
 
 from __future__ import annotations
 
 from caote.evaluation.calibration import document_of
 from caote.evaluation.lockstep import lockstep_results
-from caote.learned import VERDICT_DOES_NOT_HELP, VERDICT_HELPS
+from caote.predictor import VERDICT_DOES_NOT_HELP, VERDICT_HELPS
 
 LEARNED = ("learned+caote", "learned")
 # the training-free policies a learned one must beat: the paper's bases with CAOTE (plain and FastCAOTE left out for
