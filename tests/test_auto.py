@@ -103,9 +103,8 @@ def test_a_shipped_predictor_that_does_not_fit_the_model_is_refused_not_taken_fo
     monkeypatch.setattr(predictor_files, "PREDICTOR_DIR", tmp_path)
     with pytest.raises(ValueError, match="^predictor shipped for 'tiny' holds weights of shape"):
         EvictionCache(llama, budget=256)
-    monkeypatch.setattr(
-        predictor_files, "PREDICTOR_DIR", tmp_path / "none"
-    )  # nothing shipped: auto stays training-free
+    # nothing shipped: auto stays training-free
+    monkeypatch.setattr(predictor_files, "PREDICTOR_DIR", tmp_path / "none")
     assert EvictionCache(llama, budget=256).policy.name == auto_training_free(256)
 
 
