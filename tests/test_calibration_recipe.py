@@ -166,3 +166,27 @@ def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch,
     monkeypatch.setattr("caote.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     code, out, err = run_main(capsys, "calibrate", "--out", "p.safetensors", *args)
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_calibration_keeps_one_row_of_logits_per_block_but_the_last(capsys, tiny_calibration, tmp_path, monkeypatch):
+    """The fit reads the full cache's future attention, not its log-probs: a block's logits over the vocabulary (at
+    8,192 tokens, 8.6 GB for Gemma-3) are computed for its last row only."""
+    from caote.evaluation import calibration
+
+    references = []
+
+    def recorded(*args, **kwargs):
+        references.append(calibration_reference(*args, **kwargs))
+        return references[-1]
+
+    calibration_reference = calibration.reference_pass
+    monkeypatch.setattr(calibration, "reference_pass", recorded)
+    out = tmp_path / "mine.safetensors"
+    code, _, err = run_main(
+        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--budgets", "40",
+        "--rounds", "1", "--count", "4", "--no-validation", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    assert len(references) == 4
+    for reference in references:
+        assert [rows.shape[0] for rows in reference.log_probs[:-1]] == [1] * (len(reference.log_probs) - 1)

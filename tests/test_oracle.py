@@ -104,6 +104,19 @@ def test_a_reference_pass_records_the_target_it_is_asked_for(model64):
     assert not torch.allclose(mass.at(0, 2 * BLOCK, positions), change.at(0, 2 * BLOCK, positions))
 
 
+def test_scoring_only_the_last_token_records_the_same_future_with_one_logit_row_per_earlier_block(model64):
+    """Calibration's reference pass (`caote.evaluation.calibration.calibrate`) scores only the last token: the future
+    it fits to must not change, and the blocks before the last keep a single row of log-probs."""
+    ids = random_ids(4 * BLOCK, seed=6)
+    every = reference_pass(model64, ids, BLOCK, future=True, states=set())
+    last = reference_pass(model64, ids, BLOCK, future=True, states=set(), scored_tail=1)
+    positions = torch.arange(3 * BLOCK).expand(1, model64.config.num_key_value_heads, -1)
+    for layer in range(model64.config.num_hidden_layers):
+        assert torch.equal(every.future.at(layer, 3 * BLOCK, positions), last.future.at(layer, 3 * BLOCK, positions))
+    assert [rows.shape[0] for rows in last.log_probs] == [1, 1, 1, BLOCK]
+    assert [rows.shape[0] for rows in every.log_probs] == [BLOCK] * 4
+
+
 def test_oracle_is_refused_where_there_is_no_future(llama, tokenizer):
     with pytest.raises(ValueError, match="hindsight ceiling"):
         EvictionCache(llama, budget=BUDGET, policy="oracle")

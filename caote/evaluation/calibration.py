@@ -309,7 +309,11 @@ def calibrate(
         bar = tqdm(total=len(texts) * len(budgets), desc="caote calibrate", unit="pass", disable=not progress)
     for number, text in enumerate(texts):
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)  # as the evaluation tokenises
-        reference = reference_pass(model, ids, block_size, future=True, states=set(), future_target=target)
+        # the fit reads no log-probs: scoring only the last token keeps one row of logits per block instead of
+        # all of them (at 8,192 tokens, Gemma-3's 262,144-word vocabulary made that 8.6 GB and much of the pass)
+        reference = reference_pass(
+            model, ids, block_size, future=True, states=set(), scored_tail=1, future_target=target
+        )
         for budget in budgets:
             settings = rollout_settings(budget, recent_window, block_size)
             collector = Collector(
