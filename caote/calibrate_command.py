@@ -9,11 +9,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from caote.arguments import UsageError, add_subcommand, parse_int_list, positive_int, warn_if_threads_share_cores
+from caote.arguments import (
+    UsageError,
+    add_subcommand,
+    non_negative_int,
+    parse_int_list,
+    positive_int,
+    warn_if_threads_share_cores,
+)
 from caote.commands import check_model
 from caote.defaults import (
     CALIBRATION_BUDGETS,
     CALIBRATION_LENGTH,
+    CALIBRATION_LONG_FACTOR,
     CALIBRATION_MASS_WEIGHT,
     CALIBRATION_ROUNDS,
     CALIBRATION_TARGET,
@@ -66,6 +74,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"excerpts to fit on (default: {CALIBRATION_TOKENS:,} tokens' worth, 40 excerpts of 1,024 tokens)",
     )
     parser.add_argument(
+        "--long-length",
+        type=positive_int,
+        help=f"tokens per long excerpt, fitted on besides the others (default: {CALIBRATION_LONG_FACTOR}x --length, at "
+        "most the model's positions)",
+    )
+    parser.add_argument(
+        "--long-count",
+        type=non_negative_int,
+        default=0,
+        help="long excerpts to fit on besides the others, for use at long contexts and large budgets (e.g. 10 of "
+        "4,096 tokens beside 40 of 1,024, with --budgets 128,1024; default: none)",
+    )
+    parser.add_argument(
         "--rounds",
         type=positive_int,
         default=CALIBRATION_ROUNDS,
@@ -74,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budgets",
         default=",".join(map(str, CALIBRATION_BUDGETS)),
-        help="budgets of the evicting passes, comma-separated (default: %(default)s)",
+        help="budgets of the evicting passes, comma-separated; an excerpt no longer than a budget skips it "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--features",
@@ -161,6 +183,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | No
         raise UsageError(
             f"--length must be at least one prefill block ({DEFAULT_BLOCK_SIZE} tokens), got {args.length}"
         )
+    if args.long_length is not None and args.length is not None and args.long_length <= args.length:
+        raise UsageError(f"--long-length ({args.long_length}) must exceed --length ({args.length})")
     for option in ("rollout_predictor", "validate"):
         path = getattr(args, option)
         if path is not None and not path.is_file():
@@ -222,13 +246,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is not None and length > positions:
         raise UsageError(f"--length {length} exceeds the {positions} positions of {args.model!r}")
+    long_length, long_count = long_excerpts(args, length, positions)
     fit, held = split_texts(args, tokenizer, length, given)
+    if given is None and long_count:
+        fit += long_texts(args, tokenizer, long_length, long_count, held)
     warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line
     validation_budgets = validation_budgets or [budgets[0], 4 * budgets[0]]
     runs = 0 if args.no_validation else len(held) * len(LEARNED + CANDIDATES) * len(validation_budgets)
     from tqdm.auto import tqdm
 
-    passes = 0 if given is not None else args.rounds * len(fit) * len(budgets)
+    from caote.evaluation.calibration import evicting_budgets
+
+    passes = 0 if given is not None else args.rounds * sum(len(evicting_budgets(text, budgets)) for text in fit)
     with tqdm(total=passes + runs, desc="caote calibrate", unit="pass") as bar:
         predictor = (
             given if given is not None else fit_rounds(args, model, tokenizer, fit, budgets, groups, rollout, bar)
@@ -240,7 +269,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     details = predictor.details
     if given is None:
         print(
-            f"caote calibrate: {len(fit)} texts of {length} tokens x {len(budgets)} budgets x {args.rounds} rounds, "
+            f"caote calibrate: {described(fit)} x {len(budgets)} budgets x {args.rounds} rounds, "
             f"{details['rows']:,} rows, {details['seconds']:.0f} s; held-out error {details['held_out_mse']:.3g} of "
             f"variance {details['held_out_variance']:.3g}; wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"
         )
@@ -248,6 +277,53 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"caote calibrate: validated {args.validate}; wrote {path}")
     print(verdict or "caote calibrate: not validated (--no-validation): the predictor carries no verdict")
     return 0
+
+
+def long_excerpts(args: argparse.Namespace, length: int, positions: int | None) -> tuple[int, int]:
+    """``(long_length, long_count)``: the ``--long-count`` excerpts fitted on besides the ``length``-token ones (0:
+    none), of ``--long-length`` tokens or by default `CALIBRATION_LONG_FACTOR` times ``length`` (at most the model's
+    ``positions``)."""
+    long_length = args.long_length or CALIBRATION_LONG_FACTOR * length
+    if positions is not None and long_length > positions:
+        if args.long_length is not None:
+            raise UsageError(f"--long-length {long_length} exceeds the {positions} positions of {args.model!r}")
+        long_length = positions
+    if args.long_count == 0 or args.validate is not None:
+        return long_length, 0
+    if long_length <= length:
+        raise UsageError(f"--long-length ({long_length}) must exceed --length ({length})")
+    return long_length, args.long_count
+
+
+def long_texts(args: argparse.Namespace, tokenizer, long_length: int, long_count: int, held: list) -> list:
+    """``long_count`` excerpts of ``long_length`` tokens from the documents not held out (``held``) for the
+    validation (a `UsageError` when the texts hold fewer)."""
+    from caote.evaluation.calibration import calibration_texts, document_of, folder_texts
+
+    try:
+        if args.texts is not None:
+            texts = folder_texts(tokenizer, args.texts, long_length)
+        else:
+            texts = calibration_texts(tokenizer, args.domain, long_length)
+    except ValueError:  # no document that long
+        texts = []
+    held_documents = {document_of(text.id) for text in held}
+    texts = [text for text in texts if document_of(text.id) not in held_documents]
+    if len(texts) < long_count:
+        raise UsageError(
+            f"--long-count: {len(texts)} excerpts of {long_length} tokens come from the documents not held out to "
+            f"validate, not {long_count}: give a smaller --long-count or --long-length"
+        )
+    return texts[:long_count]
+
+
+def described(texts: list) -> str:
+    """``"40 texts of 1024 tokens and 10 of 4096"``: how many calibration texts of each length."""
+    lengths = {}
+    for text in texts:
+        lengths[text.length] = lengths.get(text.length, 0) + 1
+    parts = [f"{count} of {length}" for length, count in lengths.items()]
+    return f"{parts[0].replace(' of ', ' texts of ', 1)} tokens" + "".join(f" and {part}" for part in parts[1:])
 
 
 def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tuple[list, list]:

@@ -95,6 +95,55 @@ def tiny_calibration(monkeypatch, tokenizer):
     return model
 
 
+@pytest.fixture
+def roomy_calibration(monkeypatch, tokenizer):
+    """`caote calibrate` on a tiny random Llama with 1,024 positions: room for excerpts 4x as long as 128 tokens."""
+    model = tiny_model("llama", vocab_size=49152, max_position_embeddings=1024)
+    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (model, tokenizer))
+    return model
+
+
+def test_long_excerpts_are_four_times_as_long_by_default_and_skip_no_budget(capsys, roomy_calibration, tmp_path):
+    out = tmp_path / "mine.safetensors"
+    code, stdout, err = run_main(
+        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--count", "8",
+        "--long-count", "2", "--budgets", "40,200", "--rounds", "1", "--no-validation", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    lengths = [int(text_id.split("-")[2]) for text_id in Predictor.load(out).texts]
+    assert lengths == [128] * 8 + [512] * 2
+    assert "8 texts of 128 tokens and 2 of 512 x 2 budgets x 1 rounds" in stdout
+    assert "12/12" in err  # budget 200 skipped on the 128-token excerpts: 8 x 1 + 2 x 2 passes
+
+
+def test_the_long_excerpts_leave_out_the_documents_held_out_to_validate(capsys, roomy_calibration, tmp_path):
+    out = tmp_path / "mine.safetensors"
+    code, _, err = run_main(
+        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--count", "8",
+        "--long-length", "256", "--long-count", "4", "--budgets", "40", "--rounds", "1", "--validation-budgets", "40",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    predictor = Predictor.load(out)
+    held = {text_id.split("-")[1] for text_id in predictor.validation["texts"]}
+    long = [text_id for text_id in predictor.texts if text_id.split("-")[2] == "256"]
+    assert len(long) == 4 and held and held.isdisjoint(text_id.split("-")[1] for text_id in long)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--long-length", "2048", "--long-count", "2"], "--long-length 2048 exceeds the 1024 positions"),
+        (["--long-count", "40"], "--long-count: 8 excerpts of 512 tokens come from the documents not held out"),
+        (["--long-length", "128", "--long-count", "2"], "--long-length (128) must exceed --length (128)"),
+    ],
+)
+def test_long_excerpts_that_cannot_be_had_are_refused_in_one_line(capsys, roomy_calibration, tmp_path, args, message):
+    base = ["--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--no-validation", "--out", "p.safetensors"]
+    code, out, err = run_main(capsys, "calibrate", *base, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
 def test_calibrate_runs_two_rounds_validates_on_held_out_documents_and_stores_the_verdict(
     capsys, tiny_calibration, tmp_path
 ):
@@ -160,6 +209,8 @@ def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calib
         (["--validate", "no.safetensors"], "--validate 'no.safetensors' is not a file"),
         (["--validation-budgets", "16"], "budget 16 leaves no room to choose"),
         (["--validation-budgets", "30"], "--validation-budgets: budget 30 leaves no room to choose: it must exceed"),
+        (["--length", "1024", "--long-length", "512"], "--long-length (512) must exceed --length (1024)"),
+        (["--long-count", "-1"], "argument --long-count: must be an integer >= 0"),
     ],
 )
 def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch, args, message):

@@ -306,7 +306,8 @@ def calibrate(
     collectors = []
     own_bar = bar is None
     if own_bar:
-        bar = tqdm(total=len(texts) * len(budgets), desc="caote calibrate", unit="pass", disable=not progress)
+        passes = sum(len(evicting_budgets(text, budgets)) for text in texts)
+        bar = tqdm(total=passes, desc="caote calibrate", unit="pass", disable=not progress)
     for number, text in enumerate(texts):
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)  # as the evaluation tokenises
         # the fit reads no log-probs: scoring only the last token keeps one row of logits per block instead of
@@ -314,7 +315,7 @@ def calibrate(
         reference = reference_pass(
             model, ids, block_size, future=True, states=set(), scored_tail=1, future_target=target
         )
-        for budget in budgets:
+        for budget in evicting_budgets(text, budgets):
             settings = rollout_settings(budget, recent_window, block_size)
             collector = Collector(
                 groups, width, settings.recent, settings.sink_tokens, rollout=rollout, mass_weight=mass_weight
@@ -331,6 +332,12 @@ def calibrate(
     rolled_out = None if rollout is None else rollout.details.get("rolled_out_by", []) + [rollout.texts]
     recipe = {"budgets": list(budgets), "recent_window": recent_window, "mass_weight": mass_weight, "target": target}
     return _fit(model, collectors, groups, width, texts, recipe, began, model_name, rolled_out)
+
+
+def evicting_budgets(text, budgets) -> list[int]:
+    """The budgets of ``budgets`` below ``text``'s length: a pass at a budget the text never exceeds evicts nothing
+    and collects no row, so it is not run (nor counted by a progress bar)."""
+    return [budget for budget in budgets if budget < text.length]
 
 
 def calibrate_rounds(model, tokenizer, texts: list, rounds: int, rollout: Predictor | None = None, **options):
