@@ -140,6 +140,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and write it with its verdict to --out",
     )
     parser.add_argument(
+        "--min-budget",
+        type=positive_int,
+        help="record that the predictor is for budgets from this one on: of several predictors of one model in "
+        "caote/predictors/, a cache takes the one of the largest --min-budget not above its budget (default: every "
+        "budget)",
+    )
+    parser.add_argument(
         "--no-validation", action="store_true", help="skip the validation (the predictor then carries no verdict)"
     )
     parser.add_argument(
@@ -265,6 +272,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         verdict = (
             None if args.no_validation else validate_into(predictor, model, tokenizer, held, validation_budgets, bar)
         )
+    if args.min_budget is not None:
+        predictor.details["min_budget"] = args.min_budget
     path = predictor.save(args.out)
     details = predictor.details
     if given is None:

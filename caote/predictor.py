@@ -3,10 +3,10 @@
 
 A file is a safetensors tensor ``weights`` ``(L, H_kv, F)`` whose metadata name the feature set, the model (and a
 fingerprint of its architecture and weights), the calibration texts and the recipe (``caote calibrate``,
-`caote.evaluation.calibration`). `Predictor.for_model` finds the committed one of a model (`PREDICTOR_DIR`) or reads
-one given, and refuses in one line a file that cannot be read, belongs to another model or does not fit it. The
-verdict of the validation (`caote.evaluation.validation`) travels in the file: `Predictor.helps` is what ``auto``
-reads.
+`caote.evaluation.calibration`). `Predictor.for_model` finds the committed one of a model (`PREDICTOR_DIR`; a model
+may ship one per range of budgets, `Predictor.min_budget`) or reads one given, and refuses in one line a file that
+cannot be read, belongs to another model or does not fit it. The verdict of the validation
+(`caote.evaluation.validation`) travels in the file: `Predictor.helps` is what ``auto`` reads.
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ def _header(path: Path) -> dict:
             return file.metadata() or {}
     except (OSError, RuntimeError, ValueError, SafetensorError):
         return {}
+
+
+def _min_budget(header: dict) -> int:
+    """`Predictor.min_budget` from a file's metadata, without its weights."""
+    try:
+        return int(json.loads(header.get("details", "{}")).get("min_budget", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
 
 
 @dataclass
@@ -132,9 +140,9 @@ class Predictor:
         )
 
     @classmethod
-    def for_model(cls, model: nn.Module, path: str | Path | None = None) -> Predictor:
-        """The predictor at ``path``, or the committed one calibrated for ``model``; a one-line `ValueError` when
-        there is none or it was calibrated for another model."""
+    def for_model(cls, model: nn.Module, path: str | Path | None = None, budget: int | None = None) -> Predictor:
+        """The predictor at ``path``, or the committed one calibrated for ``model`` at ``budget`` (`shipped_for`); a
+        one-line `ValueError` when there is none or it was calibrated for another model."""
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         if path is not None:
             predictor = cls.load(path)
@@ -144,12 +152,12 @@ class Predictor:
                     f"calibrate one with: caote calibrate --model <this model> --out FILE"
                 )
             return predictor.check_fits(model, repr(str(path)))
-        shipped = cls.shipped_for(model)
+        shipped = cls.shipped_for(model, budget)
         if shipped is None:
-            committed = [
+            committed = dict.fromkeys(  # a model shipping several (one per range of budgets) is named once
                 _header(candidate).get("model", candidate.stem)
                 for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors"))
-            ]
+            )
             raise ValueError(
                 f"policy 'learned' needs a predictor calibrated for {name!r}: run `caote calibrate --model <model> "
                 f"--out FILE` and pass predictor=FILE (--predictor FILE); only {', '.join(committed) or 'no model'} "
@@ -158,15 +166,33 @@ class Predictor:
         return shipped
 
     @classmethod
-    def shipped_for(cls, model: nn.Module) -> Predictor | None:
-        """The committed predictor calibrated for ``model`` (matched by fingerprint), or None when caote ships none
-        for it; a shipped file that does not fit the model is refused in one line, never taken for a missing one."""
+    def shipped_for(cls, model: nn.Module, budget: int | None = None) -> Predictor | None:
+        """The committed predictor calibrated for ``model`` (matched by fingerprint) at ``budget``: of a model's
+        files, the one of the largest `min_budget` not above it (None: the one for every budget), or None when
+        caote ships none for the model; a shipped file that does not fit the model is refused in one line, never
+        taken for a missing one."""
         fingerprint = model_fingerprint(model)
-        for candidate in sorted(PREDICTOR_DIR.glob("*.safetensors")):
-            if _header(candidate).get("fingerprint") == fingerprint:  # another model's file is never read whole
-                predictor = cls.load(candidate)
-                return predictor.check_fits(model, f"shipped for {predictor.model!r}")
-        return None
+        headers = {path: _header(path) for path in sorted(PREDICTOR_DIR.glob("*.safetensors"))}
+        # another model's file is never read whole
+        candidates = {
+            path: _min_budget(header) for path, header in headers.items() if header.get("fingerprint") == fingerprint
+        }
+        if not candidates:
+            return None
+        eligible = [path for path, least in candidates.items() if least <= (budget or 0)]
+        chosen = max(eligible, key=candidates.get) if eligible else min(candidates, key=candidates.get)
+        predictor = cls.load(chosen)
+        return predictor.check_fits(model, f"shipped for {predictor.model!r}{predictor.budget_range}")
+
+    @property
+    def min_budget(self) -> int:
+        """The smallest budget this predictor is for where a model ships several (`shipped_for`); 0: every budget."""
+        return int(self.details.get("min_budget", 0))
+
+    @property
+    def budget_range(self) -> str:
+        """``" at budgets from 1024"`` for a predictor meant for large budgets only, else empty."""
+        return f" at budgets from {self.min_budget}" if self.min_budget else ""
 
     def check_fits(self, model: nn.Module, source: str) -> Predictor:
         """This predictor, refused in one line unless its weights are finite and shaped as ``model``'s (layers, KV

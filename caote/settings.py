@@ -204,12 +204,13 @@ class CacheSettings:
         if not (self.auto or self.policy.reads_predictor):
             return None
         if self.predictor is None and not self.policy.reads_predictor:  # auto, asking only for a shipped one
-            predictor = Predictor.shipped_for(model)
+            predictor = Predictor.shipped_for(model, self.budget)
             if predictor is None:
                 return None
         else:
-            predictor = Predictor.for_model(model, self.predictor)
-        return predictor, repr(str(self.predictor)) if self.predictor else f"shipped for {predictor.model!r}"
+            predictor = Predictor.for_model(model, self.predictor, self.budget)
+        shipped = f"shipped for {predictor.model!r}{predictor.budget_range}"
+        return predictor, repr(str(self.predictor)) if self.predictor else shipped
 
     def for_model(self, model) -> CacheSettings:
         """These settings as ``model`` runs them: auto upgraded to the learned policy its predictor's validation

@@ -199,7 +199,9 @@ class Learned(Immediate):
     def __init__(self, settings, context: CacheContext):
         super().__init__(settings, context)
         stand_in = context.stand_in is not None
-        predictor = context.stand_in if stand_in else Predictor.for_model(context.model, settings.predictor)
+        predictor = (
+            context.stand_in if stand_in else Predictor.for_model(context.model, settings.predictor, settings.budget)
+        )
         self.unrotate = rotary_inverse(context.model) if "key" in predictor.groups else None
         self.predictor, self.future = predictor, context.future if stand_in else None
         self.evicts_together = not stand_in

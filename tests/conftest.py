@@ -59,9 +59,9 @@ def tiny_predictors():
     original = Predictor.for_model.__func__
     made = {}
 
-    def for_model(cls, model, path=None):
+    def for_model(cls, model, path=None, budget=None):
         if path is not None or Predictor.shipped_for(model) is not None:
-            return original(cls, model, path)
+            return original(cls, model, path, budget)
         key = model_fingerprint(model)
         if key not in made:
             texts = [Text(f"random-{i}", 96, "x" * (i + 1), f"random-{i}") for i in range(4)]

@@ -309,3 +309,25 @@ def test_a_learned_policy_without_a_predictor_names_the_models_that_ship_one(lla
     shipped = r"only gemma3-270m, smollm2-135m ship one$"
     with pytest.raises(ValueError, match=rf"needs a predictor calibrated for .*{shipped}"):
         tiny_predictors(Predictor, llama)  # the unpatched lookup: none ships for a tiny model
+
+
+def test_of_a_models_shipped_predictors_a_cache_takes_the_one_for_its_budget(llama, tmp_path, monkeypatch):
+    """A model may ship a predictor for large budgets beside its own (`Predictor.min_budget`, ``caote calibrate
+    --min-budget``): a cache takes the one of the largest minimum not above its budget, and says which."""
+    every = Predictor.load(predictor_file(llama, tmp_path, "helps"))
+    large = Predictor.load(predictor_file(llama, tmp_path, "does not help"))
+    large.details["min_budget"] = 1024
+    large.weights = large.weights + 1.0
+    large.save(tmp_path / "does-not-help-learned+caote.safetensors")
+    monkeypatch.setattr(predictor_files, "PREDICTOR_DIR", tmp_path)
+    for budget, chosen in ((None, every), (256, every), (1023, every), (1024, large), (4096, large)):
+        assert torch.equal(Predictor.shipped_for(llama, budget).weights, chosen.weights), budget
+    assert Predictor.for_model(llama, budget=2048).min_budget == 1024
+    # auto reads the verdict of the file its budget takes
+    assert EvictionCache(llama, budget=256).policy.name == "learned+caote"
+    assert EvictionCache(llama, budget=1024).policy.name == auto_training_free(1024)
+    found = CacheSettings(budget=2048, policy="learned+caote").predictor_for(llama)
+    assert found[1] == "shipped for 'tiny' at budgets from 1024"
+    # only large-budget predictors shipped: a smaller budget takes the one of the smallest minimum
+    (tmp_path / "helps-learned+caote.safetensors").unlink()
+    assert Predictor.shipped_for(llama, 128).min_budget == 1024

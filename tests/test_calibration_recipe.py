@@ -107,9 +107,11 @@ def test_long_excerpts_are_four_times_as_long_by_default_and_skip_no_budget(caps
     out = tmp_path / "mine.safetensors"
     code, stdout, err = run_main(
         capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--count", "8",
-        "--long-count", "2", "--budgets", "40,200", "--rounds", "1", "--no-validation", "--out", str(out),
+        "--long-count", "2", "--budgets", "40,200", "--rounds", "1", "--no-validation", "--min-budget", "512",
+        "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
+    assert Predictor.load(out).min_budget == 512  # --min-budget: for budgets from 512 where a model ships several
     lengths = [int(text_id.split("-")[2]) for text_id in Predictor.load(out).texts]
     assert lengths == [128] * 8 + [512] * 2
     assert "8 texts of 128 tokens and 2 of 512 x 2 budgets x 1 rounds" in stdout

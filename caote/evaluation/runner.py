@@ -236,8 +236,8 @@ def run_texts(config: EvalConfig, model, tokenizer, texts: list[Text], rank: int
     runs = [(policies[0], None)] + [(policy, budget) for policy in policies[1:] for budget in config.budgets]
     cells = [cell_settings(*run, config.block_size, predictor).for_model(model) for run in runs]
     if any(settings.policy.reads_predictor for settings in cells):  # a learned policy, or auto's choice
-        calibrated = Predictor.for_model(model, predictor)
-        check_disjoint(calibrated, [text.id for text in texts], config.split)  # never seen in calibration
+        for budget in config.budgets:  # every predictor a budget reads was never calibrated on these texts
+            check_disjoint(Predictor.for_model(model, predictor, budget), [text.id for text in texts], config.split)
     announce_predictor(model, *cells)  # after the checks: a refusal stays one line
     with RowStore(config.out, rank) as store:
         warn_once_if_threads_share_cores()  # the shard is ours: no refusal can follow the hint
