@@ -142,9 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-budget",
         type=positive_int,
-        help="record that the predictor is for budgets from this one on: of several predictors of one model in "
-        "caote/predictors/, a cache takes the one of the largest --min-budget not above its budget (default: every "
-        "budget)",
+        help="record that the predictor is for budgets from this one on; it matters only for the files caote ships "
+        "(caote/predictors/), of which a cache takes the one of the largest --min-budget not above its budget "
+        "(default: every budget)",
     )
     parser.add_argument(
         "--no-validation", action="store_true", help="skip the validation (the predictor then carries no verdict)"

@@ -50,7 +50,8 @@ CALIBRATION_WINDOWS = 4  # ... or this many sliding windows for a model mixing s
 CALIBRATION_TOKENS = 40 * 1024  # excerpts per round unless --count: this many tokens (40 excerpts of 1,024)
 # --long-count excerpts besides those are this many times longer by default (SmolLM2: 4,096 tokens; Gemma-3: 8,192),
 # the long grid's lengths; none by default: with 10 of 4,096 at budgets 128 and 1024, SmolLM2's learned+caote closed
-# 37 % of the oracle gap at budget 1024 on dev essays of 4,096 tokens instead of 20 %, and 47-51 % instead of 51-55 %
-# at 1,024 tokens (docs/learned.md, "Long excerpts beside the short ones")
+# 37 % of the oracle gap at budget 1024 on dev essays of 4,096 tokens instead of 20 %, and at 1,024 tokens 45 % instead
+# of 51 % at budget 128, level at 256 / 512 (docs/learned.md, "Long excerpts beside the short ones"); SmolLM2 ships
+# that fit for budgets from 1024 (caote/predictors/smollm2-135m-long.safetensors)
 CALIBRATION_LONG_FACTOR = 4
 DEFAULT_CALIBRATION_DOMAIN = "code"  # on dev essays code beat essays (unweighted fit; weighted: not re-chosen)

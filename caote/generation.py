@@ -187,10 +187,10 @@ def check_inputs(
 
 
 def announce_predictor(model, *cells: CacheSettings) -> None:
-    """Print to stderr, once per process, what validation said of the predictor that the first of ``cells`` reading
-    one reads on ``model`` (a learned policy's, or the one auto resolves with): whether it helps, or that it was
-    never validated. Used by ``caote generate``, ``caote eval`` and the pipeline; a predictor that cannot serve the
-    model is refused in one line (`CacheSettings.predictor_for`)."""
+    """Print to stderr, once per process and predictor, what validation said of each predictor ``cells`` read on
+    ``model`` (a learned policy's, or the one auto resolves with; a model may ship one per range of budgets):
+    whether it helps, or that it was never validated. Used by ``caote generate``, ``caote eval`` and the pipeline; a
+    predictor that cannot serve the model is refused in one line (`CacheSettings.predictor_for`)."""
     for settings in cells:
         found = settings.predictor_for(model)
         if found is not None:
@@ -198,7 +198,6 @@ def announce_predictor(model, *cells: CacheSettings) -> None:
             if line not in _announced:
                 _announced.add(line)
                 print(line, file=sys.stderr)
-            return
 
 
 def generate(

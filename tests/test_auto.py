@@ -311,7 +311,7 @@ def test_a_learned_policy_without_a_predictor_names_the_models_that_ship_one(lla
         tiny_predictors(Predictor, llama)  # the unpatched lookup: none ships for a tiny model
 
 
-def test_of_a_models_shipped_predictors_a_cache_takes_the_one_for_its_budget(llama, tmp_path, monkeypatch):
+def test_of_a_models_shipped_predictors_a_cache_takes_the_one_for_its_budget(llama, tmp_path, monkeypatch, capsys):
     """A model may ship a predictor for large budgets beside its own (`Predictor.min_budget`, ``caote calibrate
     --min-budget``): a cache takes the one of the largest minimum not above its budget, and says which."""
     every = Predictor.load(predictor_file(llama, tmp_path, "helps"))
@@ -328,6 +328,13 @@ def test_of_a_models_shipped_predictors_a_cache_takes_the_one_for_its_budget(lla
     assert EvictionCache(llama, budget=1024).policy.name == auto_training_free(1024)
     found = CacheSettings(budget=2048, policy="learned+caote").predictor_for(llama)
     assert found[1] == "shipped for 'tiny' at budgets from 1024"
+    # a run reading both (an evaluation at 256 and 2048) prints both verdicts
+    from caote import generation
+
+    monkeypatch.setattr(generation, "_announced", set())
+    generation.announce_predictor(llama, *(CacheSettings(budget=b, policy="learned+caote") for b in (256, 2048)))
+    printed = capsys.readouterr().err
+    assert "shipped for 'tiny': helps" in printed and "shipped for 'tiny' at budgets from 1024: does not" in printed
     # only large-budget predictors shipped: a smaller budget takes the one of the smallest minimum
     (tmp_path / "helps-learned+caote.safetensors").unlink()
     assert Predictor.shipped_for(llama, 128).min_budget == 1024

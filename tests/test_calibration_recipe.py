@@ -103,7 +103,7 @@ def roomy_calibration(monkeypatch, tokenizer):
     return model
 
 
-def test_long_excerpts_are_four_times_as_long_by_default_and_skip_no_budget(capsys, roomy_calibration, tmp_path):
+def test_long_excerpts_are_four_times_as_long_and_oversized_budgets_are_skipped(capsys, roomy_calibration, tmp_path):
     out = tmp_path / "mine.safetensors"
     code, stdout, err = run_main(
         capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--count", "8",
