@@ -192,6 +192,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | No
         )
     if args.long_length is not None and args.length is not None and args.long_length <= args.length:
         raise UsageError(f"--long-length ({args.long_length}) must exceed --length ({args.length})")
+    if args.long_length is not None and not args.long_count:
+        raise UsageError("--long-length takes effect with --long-count N, the number of long excerpts to fit on")
     for option in ("rollout_predictor", "validate"):
         path = getattr(args, option)
         if path is not None and not path.is_file():

@@ -213,6 +213,7 @@ def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calib
         (["--validation-budgets", "30"], "--validation-budgets: budget 30 leaves no room to choose: it must exceed"),
         (["--length", "1024", "--long-length", "512"], "--long-length (512) must exceed --length (1024)"),
         (["--long-count", "-1"], "argument --long-count: must be an integer >= 0"),
+        (["--long-length", "4096"], "--long-length takes effect with --long-count N"),
     ],
 )
 def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch, args, message):
