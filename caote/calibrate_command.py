@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 from caote.arguments import (
@@ -51,7 +52,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``caote calibrate``'s options, in --help order: the model, its texts, the output file, the fit."""
+    """``caote calibrate``'s options, in --help order: what it reads and writes, the fit, the validation."""
+    add_input_arguments(parser)
+    add_fit_arguments(parser)
+    add_validation_arguments(parser)
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its calibration texts (source, lengths, counts) and the output file."""
     parser.add_argument("--model", default="smollm2-135m", help="the model (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
@@ -86,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long excerpts to fit on besides the others, for use at long contexts and large budgets (e.g. 10 of "
         "4,096 tokens beside 40 of 1,024, with --budgets 128,1024; default: none)",
     )
+
+
+def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The fit: rounds, the evicting passes' budgets, features, rollout, row weights and target."""
     parser.add_argument(
         "--rounds",
         type=positive_int,
@@ -126,6 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the later queries' outputs would change were each evicted alone (change: CAOTE's error summed over them; "
         "default: %(default)s)",
     )
+
+
+def add_validation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The validation and what the file records of it, and the run's threads."""
     parser.add_argument(
         "--validation-budgets",
         metavar="BUDGETS",
@@ -306,16 +322,23 @@ def long_excerpts(args: argparse.Namespace, length: int, positions: int | None) 
     return long_length, args.long_count
 
 
+def source_texts(args: argparse.Namespace, tokenizer, length: int) -> list:
+    """Every excerpt of ``length`` tokens of the texts the command reads: the ``--texts`` folder's, or the dev split
+    of ``--domain`` (a `ValueError` when none can be had)."""
+    from caote.evaluation.calibration import calibration_texts, folder_texts
+
+    if args.texts is not None:
+        return folder_texts(tokenizer, args.texts, length)
+    return calibration_texts(tokenizer, args.domain, length)
+
+
 def long_texts(args: argparse.Namespace, tokenizer, long_length: int, long_count: int, held: list) -> list:
     """``long_count`` excerpts of ``long_length`` tokens from the documents not held out (``held``) for the
     validation (a `UsageError` when the texts hold fewer)."""
-    from caote.evaluation.calibration import calibration_texts, document_of, folder_texts
+    from caote.evaluation.calibration import document_of
 
     try:
-        if args.texts is not None:
-            texts = folder_texts(tokenizer, args.texts, long_length)
-        else:
-            texts = calibration_texts(tokenizer, args.domain, long_length)
+        texts = source_texts(args, tokenizer, long_length)
     except ValueError:  # no document that long
         texts = []
     held_documents = {document_of(text.id) for text in held}
@@ -330,25 +353,19 @@ def long_texts(args: argparse.Namespace, tokenizer, long_length: int, long_count
 
 def described(texts: list) -> str:
     """``"40 texts of 1024 tokens and 10 of 4096"``: how many calibration texts of each length."""
-    lengths = {}
-    for text in texts:
-        lengths[text.length] = lengths.get(text.length, 0) + 1
-    parts = [f"{count} of {length}" for length, count in lengths.items()]
-    return f"{parts[0].replace(' of ', ' texts of ', 1)} tokens" + "".join(f" and {part}" for part in parts[1:])
+    (length, count), *others = Counter(text.length for text in texts).items()
+    return f"{count} texts of {length} tokens" + "".join(f" and {count} of {length}" for length, count in others)
 
 
 def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tuple[list, list]:
     """``(fit, held)``: the excerpts to fit on (``--count`` of them, or `CALIBRATION_TOKENS`' worth) and the
     excerpts of held-out documents to validate on; with ``given`` (``--validate``), nothing to fit and the
     excerpts of every document the predictor was not fitted on."""
-    from caote.evaluation.calibration import calibration_texts, default_count, document_of, folder_texts
+    from caote.evaluation.calibration import default_count, document_of
     from caote.evaluation.validation import MIN_EXCERPTS, hold_out
 
     try:
-        if args.texts is not None:
-            texts = folder_texts(tokenizer, args.texts, length)
-        else:
-            texts = calibration_texts(tokenizer, args.domain, length)
+        texts = source_texts(args, tokenizer, length)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if not texts:

@@ -182,7 +182,7 @@ class Predictor:
         eligible = [path for path, least in candidates.items() if least <= (budget or 0)]
         chosen = max(eligible, key=candidates.get) if eligible else min(candidates, key=candidates.get)
         predictor = cls.load(chosen)
-        return predictor.check_fits(model, f"shipped for {predictor.model!r}{predictor.budget_range}")
+        return predictor.check_fits(model, predictor.shipped_source)
 
     @property
     def min_budget(self) -> int:
@@ -190,9 +190,10 @@ class Predictor:
         return int(self.details.get("min_budget", 0))
 
     @property
-    def budget_range(self) -> str:
-        """``" at budgets from 1024"`` for a predictor meant for large budgets only, else empty."""
-        return f" at budgets from {self.min_budget}" if self.min_budget else ""
+    def shipped_source(self) -> str:
+        """How messages name this predictor as a shipped one: ``"shipped for 'smollm2-135m'"``, with ``" at
+        budgets from 1024"`` for one meant for large budgets only."""
+        return f"shipped for {self.model!r}" + (f" at budgets from {self.min_budget}" if self.min_budget else "")
 
     def check_fits(self, model: nn.Module, source: str) -> Predictor:
         """This predictor, refused in one line unless its weights are finite and shaped as ``model``'s (layers, KV

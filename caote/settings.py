@@ -209,8 +209,7 @@ class CacheSettings:
                 return None
         else:
             predictor = Predictor.for_model(model, self.predictor, self.budget)
-        shipped = f"shipped for {predictor.model!r}{predictor.budget_range}"
-        return predictor, repr(str(self.predictor)) if self.predictor else shipped
+        return predictor, repr(str(self.predictor)) if self.predictor else predictor.shipped_source
 
     def for_model(self, model) -> CacheSettings:
         """These settings as ``model`` runs them: auto upgraded to the learned policy its predictor's validation
