@@ -169,8 +169,8 @@ class Predictor:
     def shipped_for(cls, model: nn.Module, budget: int | None = None) -> Predictor | None:
         """The committed predictor calibrated for ``model`` (matched by fingerprint) at ``budget``: of a model's
         files, the one of the largest `min_budget` not above it (None: the one for every budget), or None when
-        caote ships none for the model; a shipped file that does not fit the model is refused in one line, never
-        taken for a missing one."""
+        caote ships none for the model; a shipped file that does not fit the model, or two files of the model with
+        the same `min_budget`, are refused in one line, never taken for a missing one."""
         fingerprint = model_fingerprint(model)
         headers = {path: _header(path) for path in sorted(PREDICTOR_DIR.glob("*.safetensors"))}
         # another model's file is never read whole
@@ -179,6 +179,12 @@ class Predictor:
         }
         if not candidates:
             return None
+        tied = [path.name for path in candidates if list(candidates.values()).count(candidates[path]) > 1]
+        if tied:
+            raise ValueError(
+                f"{' and '.join(tied)} in {PREDICTOR_DIR} are shipped for the same model at the same budgets: "
+                "give each its own min_budget or remove one"
+            )
         eligible = [path for path, least in candidates.items() if least <= (budget or 0)]
         chosen = max(eligible, key=candidates.get) if eligible else min(candidates, key=candidates.get)
         predictor = cls.load(chosen)

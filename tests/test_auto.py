@@ -338,3 +338,8 @@ def test_of_a_models_shipped_predictors_a_cache_takes_the_one_for_its_budget(lla
     # only large-budget predictors shipped: a smaller budget takes the one of the smallest minimum
     (tmp_path / "helps-learned+caote.safetensors").unlink()
     assert Predictor.shipped_for(llama, 128).min_budget == 1024
+    # two files of one model with the same minimum: which one is meant cannot be told, so neither is taken
+    large.weights = large.weights + 1.0
+    large.save(tmp_path / "another-learned+caote.safetensors")
+    with pytest.raises(ValueError, match=r"^another-learned\+caote.safetensors and does-not-help-learned\+caote"):
+        Predictor.shipped_for(llama, 2048)

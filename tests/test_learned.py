@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from caote.evaluation.calibration import (
     calibration_texts,
     check_calibration_texts,
     check_disjoint,
+    length_shares,
     mass_weights,
 )
 from caote.evaluation.tasks import Text
@@ -213,6 +215,27 @@ def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tm
         cache = EvictionCache(llama, budget=40, policy=name, predictor=path)  # the setting as a keyword
         out = greedy(llama, ids, cache, new_tokens=8)
         assert out.shape == (1, 88) and cache.stats().tokens_kept == 40, name
+
+
+def test_balanced_lengths_give_each_lengths_rows_an_equal_share_of_the_fit(llama):
+    def tokenizer(text, return_tensors=None):  # a text of n characters is n random ids, seeded by its letter
+        return types.SimpleNamespace(input_ids=random_ids(len(text), seed=ord(text[0])))
+
+    texts = [Text(f"{letter}-64", 64, letter * 64, letter) for letter in "abc"]
+    texts += [Text(f"{letter}-256", 256, letter * 256, letter) for letter in "lm"]
+    options = dict(budgets=(40, 160), block_size=32, progress=False)
+    plain = calibrate(llama, tokenizer, texts, **options)
+    balanced = calibrate(llama, tokenizer, texts, balance_lengths=True, **options)
+    assert balanced.details["balance_lengths"] and "balance_lengths" not in plain.details
+    assert balanced.details["rows"] == plain.details["rows"]  # the total weight is kept
+    assert not torch.allclose(balanced.weights, plain.weights)
+    rows = {64: 300.0, 256: 100.0, 257: 200.0}
+    collectors = [types.SimpleNamespace(equations={("fit", 0, 0): NormalEquations.empty(2)}) for _ in rows]
+    for collector, count in zip(collectors, rows.values()):
+        collector.equations["fit", 0, 0].rows = count
+        collector.equations["held_out", 0, 0] = NormalEquations(torch.zeros(2, 2), torch.zeros(2), 0.0, 1e6)
+    shares = length_shares(collectors, list(rows))
+    assert shares == pytest.approx({64: 2 / 3, 256: 2.0, 257: 1.0})  # 200 each; held-out rows are not counted
 
 
 def test_learned_refuses_a_model_without_a_predictor_in_one_line(llama, tmp_path, tiny_predictors, monkeypatch):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +73,7 @@ class NormalEquations:
     xtx: torch.Tensor
     xty: torch.Tensor
     yty: float = 0.0
-    rows: int = 0
+    rows: float = 0  # the rows' total weight: their number unless `scaled`
 
     @classmethod
     def empty(cls, width: int) -> NormalEquations:
@@ -83,6 +84,10 @@ class NormalEquations:
         self.xty += x.T @ y
         self.yty += float(y @ y)
         self.rows += x.shape[0]
+
+    def scaled(self, factor: float) -> NormalEquations:
+        """These rows, each weighing ``factor`` times as much (``rows`` counts the weight)."""
+        return NormalEquations(self.xtx * factor, self.xty * factor, self.yty * factor, self.rows * factor)
 
     def __iadd__(self, other: NormalEquations) -> NormalEquations:
         self.xtx += other.xtx
@@ -277,6 +282,7 @@ def calibrate(
     rollout: Predictor | None = None,
     mass_weight: float = CALIBRATION_MASS_WEIGHT,
     target: str = CALIBRATION_TARGET,
+    balance_lengths: bool = False,
     bar=None,
 ) -> Predictor:
     """Fit a `Predictor` for ``model`` on ``texts`` (`caote.evaluation.tasks.Text`, never a test-split text: see
@@ -288,8 +294,10 @@ def calibrate(
     its own fit: a slightly optimistic choice. ``mass_weight``: each row weighs (its future mass / its group's
     mean) to this power (`mass_weights`; 0 weighs every row alike). ``target``: what the predictor learns to
     rank by (`caote.future.received`): the attention later queries give a token (``mass``) or the change of their
-    outputs were it evicted (``change``). ``bar``: a progress bar to advance once per
-    evicting pass instead of this call's own."""
+    outputs were it evicted (``change``). ``balance_lengths``: texts of different lengths then weigh alike in
+    the fit, each length's rows together as much as another's (`length_shares`; without it a long excerpt adds
+    rows in proportion to its length times its evicting passes, and the longest texts decide the fit). ``bar``: a
+    progress bar to advance once per evicting pass instead of this call's own."""
     check_mass_weight(mass_weight)
     check_calibration_texts(texts)
     if rollout is not None and (rollout.fingerprint != model_fingerprint(model) or set(rollout.groups) != set(groups)):
@@ -303,7 +311,7 @@ def calibrate(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     width = len(feature_names(groups, head_dim))
     began = time.perf_counter()
-    collectors = []
+    collectors, lengths = [], []
     own_bar = bar is None
     if own_bar:
         passes = sum(len(evicting_budgets(text, budgets)) for text in texts)
@@ -326,12 +334,28 @@ def calibrate(
                 for start in range(0, ids.shape[1], block_size):
                     model.get_decoder()(input_ids=ids[:, start : start + block_size], cache=cache, use_cache=True)
             collectors.append(collector)
+            lengths.append(text.length)
             bar.update()
     if own_bar:
         bar.close()
     rolled_out = None if rollout is None else rollout.details.get("rolled_out_by", []) + [rollout.texts]
     recipe = {"budgets": list(budgets), "recent_window": recent_window, "mass_weight": mass_weight, "target": target}
+    if balance_lengths:
+        recipe["balance_lengths"] = True
+        shares = length_shares(collectors, lengths)
+        for collector, length in zip(collectors, lengths):
+            collector.equations = {key: rows.scaled(shares[length]) for key, rows in collector.equations.items()}
     return _fit(model, collectors, groups, width, texts, recipe, began, model_name, rolled_out)
+
+
+def length_shares(collectors: list, lengths: list) -> dict:
+    """Per text length, the factor that gives that length's fitted rows (over every layer and head) an equal share
+    of the total: ``(total / number of lengths) / its rows``; the total weight is unchanged."""
+    rows: Counter = Counter()
+    for collector, length in zip(collectors, lengths):
+        rows[length] += sum(equations.rows for key, equations in collector.equations.items() if key[0] == "fit")
+    total = sum(rows.values())
+    return {length: total / len(rows) / count if count else 1.0 for length, count in rows.items()}
 
 
 def evicting_budgets(text, budgets) -> list[int]:
@@ -413,7 +437,7 @@ def _fit(model, collectors, groups, width, texts, recipe, began, model_name, rol
     details = {
         **recipe,
         "ridge": chosen,
-        "rows": rows,
+        "rows": round(rows),
         "held_out_mse": sum(held_out_error) / max(len(held_out_error), 1),
         "held_out_variance": sum(baseline_error) / max(len(baseline_error), 1),
         "seconds": round(time.perf_counter() - began, 1),
