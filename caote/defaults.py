@@ -49,9 +49,9 @@ CALIBRATION_LENGTH = 1024  # tokens per calibration excerpt, the standard grid's
 CALIBRATION_WINDOWS = 4  # ... or this many sliding windows for a model mixing sliding and full layers (Gemma-3: 2,048)
 CALIBRATION_TOKENS = 40 * 1024  # excerpts per round unless --count: this many tokens (40 excerpts of 1,024)
 # --long-count excerpts besides those are this many times longer by default (SmolLM2: 4,096 tokens; Gemma-3: 8,192),
-# the long grid's lengths; none by default: with 10 of 4,096 at budgets 128 and 1024, SmolLM2's learned+caote closed
-# 37 % of the oracle gap at budget 1024 on dev essays of 4,096 tokens instead of 20 %, and at 1,024 tokens 45 % instead
-# of 51 % at budget 128, level at 256 / 512 (docs/learned.md, "Long excerpts beside the short ones"); SmolLM2 ships
-# that fit for budgets from 1024 (caote/predictors/smollm2-135m-long.safetensors)
+# the long grid's lengths; none by default: with 10 of 4,096 at budgets 128 and 1024, each length's rows weighed
+# alike, SmolLM2's learned+caote closed 38 % of the oracle gap at budget 1024 on dev essays of 4,096 tokens instead of
+# 20 %, and at 1,024 tokens 46 % instead of 51 % at budget 128, level or better at 256 / 512 (docs/learned.md, "Each
+# excerpt length weighed alike"); SmolLM2 ships that fit for budgets from 256 (caote/predictors/smollm2-135m-long)
 CALIBRATION_LONG_FACTOR = 4
 DEFAULT_CALIBRATION_DOMAIN = "code"  # on dev essays code beat essays (unweighted fit; weighted: not re-chosen)

@@ -282,7 +282,7 @@ def calibrate(
     rollout: Predictor | None = None,
     mass_weight: float = CALIBRATION_MASS_WEIGHT,
     target: str = CALIBRATION_TARGET,
-    balance_lengths: bool = False,
+    balance_lengths: bool = True,
     bar=None,
 ) -> Predictor:
     """Fit a `Predictor` for ``model`` on ``texts`` (`caote.evaluation.tasks.Text`, never a test-split text: see
@@ -294,10 +294,10 @@ def calibrate(
     its own fit: a slightly optimistic choice. ``mass_weight``: each row weighs (its future mass / its group's
     mean) to this power (`mass_weights`; 0 weighs every row alike). ``target``: what the predictor learns to
     rank by (`caote.future.received`): the attention later queries give a token (``mass``) or the change of their
-    outputs were it evicted (``change``). ``balance_lengths``: texts of different lengths then weigh alike in
-    the fit, each length's rows together as much as another's (`length_shares`; without it a long excerpt adds
-    rows in proportion to its length times its evicting passes, and the longest texts decide the fit). ``bar``: a
-    progress bar to advance once per evicting pass instead of this call's own."""
+    outputs were it evicted (``change``). ``balance_lengths``: texts of different lengths weigh alike in the fit,
+    each length's rows together as much as another's (`length_shares`; otherwise a long excerpt adds rows in
+    proportion to its length times its evicting passes, and the longest texts decide the fit; docs/learned.md).
+    ``bar``: a progress bar to advance once per evicting pass instead of this call's own."""
     check_mass_weight(mass_weight)
     check_calibration_texts(texts)
     if rollout is not None and (rollout.fingerprint != model_fingerprint(model) or set(rollout.groups) != set(groups)):
@@ -340,7 +340,7 @@ def calibrate(
         bar.close()
     rolled_out = None if rollout is None else rollout.details.get("rolled_out_by", []) + [rollout.texts]
     recipe = {"budgets": list(budgets), "recent_window": recent_window, "mass_weight": mass_weight, "target": target}
-    if balance_lengths:
+    if balance_lengths and len(set(lengths)) > 1:
         recipe["balance_lengths"] = True
         shares = length_shares(collectors, lengths)
         for collector, length in zip(collectors, lengths):

@@ -195,9 +195,10 @@ LONG_GRID = Grid(
         "no attention-output fidelity.",
         "Essays at 4k-8k tokens are windows of the test split's essays joined into one stream (file-name order, a "
         "blank line between essays): a window spans several essays and is the unit the intervals resample.",
-        "learned+caote uses the model's committed predictor, each from two weighted rounds of `caote calibrate` at "
-        "budget 128 on dev code: SmolLM2's on 40 excerpts of 1,024 tokens, Gemma-3's on 20 excerpts of 2,048 "
-        "(four sliding windows).",
+        "learned+caote uses the model's committed predictor for the budget, each from two weighted rounds of "
+        "`caote calibrate` on dev code: Gemma-3's on 20 excerpts of 2,048 tokens (four sliding windows) at budget "
+        "128; SmolLM2's, at these budgets, on 40 excerpts of 1,024 and 10 of 4,096, each length weighed alike, at "
+        "budgets 128 and 1024.",
     ),
     own_document="long.md",
 )
