@@ -52,6 +52,7 @@ CALIBRATION_TOKENS = 40 * 1024  # excerpts per round unless --count: this many t
 # the long grid's lengths; none by default: with 10 of 4,096 at budgets 128 and 1024, each length's rows weighed
 # alike, SmolLM2's learned+caote closed 38 % of the oracle gap at budget 1024 on dev essays of 4,096 tokens instead of
 # 20 %, and at 1,024 tokens 46 % instead of 51 % at budget 128, level or better at 256 / 512 (docs/learned.md, "Each
-# excerpt length weighed alike"); SmolLM2 ships that fit for budgets from 256 (caote/predictors/smollm2-135m-long)
+# excerpt length weighed alike"); SmolLM2 ships that fit for budgets from 256:
+# caote/predictors/smollm2-135m-long.safetensors
 CALIBRATION_LONG_FACTOR = 4
 DEFAULT_CALIBRATION_DOMAIN = "code"  # on dev essays code beat essays (unweighted fit; weighted: not re-chosen)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -179,11 +180,12 @@ class Predictor:
         }
         if not candidates:
             return None
-        tied = [path.name for path in candidates if list(candidates.values()).count(candidates[path]) > 1]
+        tied = [least for least, count in Counter(candidates.values()).items() if count > 1]
         if tied:
+            names = ", ".join(path.name for path, least in candidates.items() if least == tied[0])
             raise ValueError(
-                f"{' and '.join(tied)} in {PREDICTOR_DIR} are shipped for the same model at the same budgets: "
-                "give each its own min_budget or remove one"
+                f"{names} in {PREDICTOR_DIR} are shipped for the same model from the same budget ({tied[0]}): give "
+                "each its own min_budget or remove all but one"
             )
         eligible = [path for path, least in candidates.items() if least <= (budget or 0)]
         chosen = max(eligible, key=candidates.get) if eligible else min(candidates, key=candidates.get)

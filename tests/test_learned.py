@@ -229,13 +229,19 @@ def test_balanced_lengths_give_each_lengths_rows_an_equal_share_of_the_fit(llama
     assert balanced.details["balance_lengths"] and "balance_lengths" not in plain.details
     assert balanced.details["rows"] == plain.details["rows"]  # the total weight is kept
     assert not torch.allclose(balanced.weights, plain.weights)
-    rows = {64: 300.0, 256: 100.0, 257: 200.0}
+    alike = calibrate(llama, tokenizer, texts[:3] * 2, **options)  # one length: nothing to balance
+    assert "balance_lengths" not in alike.details
+    assert torch.equal(
+        alike.weights, calibrate(llama, tokenizer, texts[:3] * 2, balance_lengths=False, **options).weights
+    )
+    rows = {64: 300.0, 256: 100.0, 257: 200.0, 512: 0.0}
     collectors = [types.SimpleNamespace(equations={("fit", 0, 0): NormalEquations.empty(2)}) for _ in rows]
     for collector, count in zip(collectors, rows.values()):
         collector.equations["fit", 0, 0].rows = count
         collector.equations["held_out", 0, 0] = NormalEquations(torch.zeros(2, 2), torch.zeros(2), 0.0, 1e6)
     shares = length_shares(collectors, list(rows))
-    assert shares == pytest.approx({64: 2 / 3, 256: 2.0, 257: 1.0})  # 200 each; held-out rows are not counted
+    # 200 each; held-out rows are not counted, and a length with held-out rows only keeps its weight
+    assert shares == pytest.approx({64: 2 / 3, 256: 2.0, 257: 1.0, 512: 1.0})
 
 
 def test_learned_refuses_a_model_without_a_predictor_in_one_line(llama, tmp_path, tiny_predictors, monkeypatch):

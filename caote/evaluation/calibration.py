@@ -350,12 +350,13 @@ def calibrate(
 
 def length_shares(collectors: list, lengths: list) -> dict:
     """Per text length, the factor that gives that length's fitted rows (over every layer and head) an equal share
-    of the total: ``(total / number of lengths) / its rows``; the total weight is unchanged."""
+    of the total: ``(total / number of lengths with fitted rows) / its rows``; the total weight is unchanged. A
+    length whose texts all choose ridge strengths (no fitted row) keeps factor 1."""
     rows: Counter = Counter()
     for collector, length in zip(collectors, lengths):
         rows[length] += sum(equations.rows for key, equations in collector.equations.items() if key[0] == "fit")
-    total = sum(rows.values())
-    return {length: total / len(rows) / count if count else 1.0 for length, count in rows.items()}
+    share = sum(rows.values()) / max(sum(1 for count in rows.values() if count), 1)
+    return {length: share / count if count else 1.0 for length, count in rows.items()}
 
 
 def evicting_budgets(text, budgets) -> list[int]:
