@@ -131,6 +131,13 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
         "fit is decided by the tokens whose eviction would be felt (0: every row alike; default: %(default)s)",
     )
     parser.add_argument(
+        "--no-balance-lengths",
+        dest="balance_lengths",
+        action="store_false",
+        help="with --long-count: let each excerpt length weigh by its rows (the long excerpts then hold most of the "
+        "fit) instead of giving every length an equal share of it (the default)",
+    )
+    parser.add_argument(
         "--target",
         choices=FUTURE_TARGETS,
         default=CALIBRATION_TARGET,
@@ -410,6 +417,7 @@ def fit_rounds(args, model, tokenizer, fit: list, budgets: list[int], groups: li
         model_name=args.model,
         mass_weight=args.mass_weight,
         target=args.target,
+        balance_lengths=args.balance_lengths,
         bar=bar,
     )
 

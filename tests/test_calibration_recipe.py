@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from test_cli import run_main
 
 from caote.evaluation.calibration import calibration_length, default_count
@@ -116,6 +117,22 @@ def test_long_excerpts_are_four_times_as_long_and_oversized_budgets_are_skipped(
     assert lengths == [128] * 8 + [512] * 2
     assert "8 texts of 128 tokens and 2 of 512 x 2 budgets x 1 rounds" in stdout
     assert "12/12" in err  # budget 200 skipped on the 128-token excerpts: 8 x 1 + 2 x 2 passes
+
+
+def test_no_balance_lengths_lets_each_length_weigh_by_its_rows(capsys, roomy_calibration, tmp_path):
+    details, texts = {}, str(folder_of_texts(tmp_path))
+    for flags in ([], ["--no-balance-lengths"]):
+        out = tmp_path / f"mine{len(flags)}.safetensors"
+        code, _, err = run_main(
+            capsys, "calibrate", "--texts", texts, "--length", "128", "--count", "8", "--long-count", "2",
+            "--budgets", "40", "--rounds", "1", "--no-validation", "--out", str(out), *flags,
+        )  # fmt: skip
+        assert code == 0, err
+        details[bool(flags)] = Predictor.load(out)
+    balanced, plain = details[False], details[True]
+    assert balanced.details["balance_lengths"] and "balance_lengths" not in plain.details
+    assert balanced.details["rows"] == plain.details["rows"]
+    assert not torch.allclose(balanced.weights, plain.weights)
 
 
 def test_the_long_excerpts_leave_out_the_documents_held_out_to_validate(capsys, roomy_calibration, tmp_path):
