@@ -134,8 +134,9 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-balance-lengths",
         dest="balance_lengths",
         action="store_false",
-        help="with --long-count: let each excerpt length weigh by its rows (the long excerpts then hold most of the "
-        "fit) instead of giving every length an equal share of it (the default)",
+        help="with --long-count: let each excerpt length weigh by its rows (tokens times evicting passes: the "
+        "long excerpts usually hold most of them) instead of giving every length an equal share of the fit (the "
+        "default)",
     )
     parser.add_argument(
         "--target",
@@ -217,6 +218,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | No
         raise UsageError(f"--long-length ({args.long_length}) must exceed --length ({args.length})")
     if args.long_length is not None and not args.long_count:
         raise UsageError("--long-length takes effect with --long-count N, the number of long excerpts to fit on")
+    if not args.balance_lengths and not args.long_count:
+        raise UsageError("--no-balance-lengths takes effect with --long-count N: without it, excerpts have one length")
     for option in ("rollout_predictor", "validate"):
         path = getattr(args, option)
         if path is not None and not path.is_file():

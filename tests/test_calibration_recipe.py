@@ -120,7 +120,7 @@ def test_long_excerpts_are_four_times_as_long_and_oversized_budgets_are_skipped(
 
 
 def test_no_balance_lengths_lets_each_length_weigh_by_its_rows(capsys, roomy_calibration, tmp_path):
-    details, texts = {}, str(folder_of_texts(tmp_path))
+    predictors, texts = {}, str(folder_of_texts(tmp_path))
     for flags in ([], ["--no-balance-lengths"]):
         out = tmp_path / f"mine{len(flags)}.safetensors"
         code, _, err = run_main(
@@ -128,8 +128,8 @@ def test_no_balance_lengths_lets_each_length_weigh_by_its_rows(capsys, roomy_cal
             "--budgets", "40", "--rounds", "1", "--no-validation", "--out", str(out), *flags,
         )  # fmt: skip
         assert code == 0, err
-        details[bool(flags)] = Predictor.load(out)
-    balanced, plain = details[False], details[True]
+        predictors[bool(flags)] = Predictor.load(out)
+    balanced, plain = predictors[False], predictors[True]
     assert balanced.details["balance_lengths"] and "balance_lengths" not in plain.details
     assert balanced.details["rows"] == plain.details["rows"]
     assert not torch.allclose(balanced.weights, plain.weights)
@@ -231,6 +231,7 @@ def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calib
         (["--length", "1024", "--long-length", "512"], "--long-length (512) must exceed --length (1024)"),
         (["--long-count", "-1"], "argument --long-count: must be an integer >= 0"),
         (["--long-length", "4096"], "--long-length takes effect with --long-count N"),
+        (["--no-balance-lengths"], "--no-balance-lengths takes effect with --long-count N"),
     ],
 )
 def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch, args, message):
