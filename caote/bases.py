@@ -17,7 +17,7 @@ import torch
 
 from caote import base_scores, value_aware
 from caote.history import AttentionSum, RecentRows, SumAndRecent
-from caote.learned import LEARNED_RECENT, RECENT_ROWS, learned_score
+from caote.learned import BLOCK_EXPONENT, LEARNED_RECENT, RECENT_ROWS, learned_block_score, learned_score
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,6 +311,22 @@ BASE_SCORES: dict[str, BaseScore] = register(
         memory=SumAndRecent(RECENT_ROWS),
         schedule="learned",
         recent_window=LEARNED_RECENT,
+    ),
+    BaseScore(
+        name="learned-block",
+        reads=("keys", "values"),
+        score=learned_block_score,
+        about=About(
+            f"beyond the paper: learned+caote's score times caote-block's (the exact output change over the newest "
+            f"{BLOCK_ROWS} queries) to the power {BLOCK_EXPONENT}, at prompt blocks; decode steps score as "
+            "learned+caote; needs a calibrated predictor, like learned, and keeps the block's attention rows",
+            "this library; learned (above) and CAOTE of arXiv 2504.14051 over many queries",
+            paper_base="h2o",
+        ),
+        memory=SumAndRecent(BLOCK_ROWS),
+        schedule="learned",
+        recent_window=LEARNED_RECENT,
+        rank_only=True,
     ),
     BaseScore(
         name="oracle",

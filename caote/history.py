@@ -122,3 +122,17 @@ class SumAndRecent:
     def carries_over(self, block_rows: int) -> bool:
         """Rows of earlier forwards reach an eviction: always, for the running sum."""
         return True
+
+
+def newest_recent_rows(history: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+    """The newest ``count`` of the ring rows of `SumAndRecent`'s ``history`` ``(B, H_q, <=count, N)``, in any order
+    (whatever reads them sums or maximises over them). A ring of ``w`` rows holds the ``c``-th query at ``c % w``
+    once full, and every row so far in arrival order before (``w`` = the queries seen), so the newest rows sit at
+    ``c % w`` for the last ``count`` queries either way; the queries seen are the newest position held plus one."""
+    recent = history[:, :, RECENT_START:]
+    rows = recent.shape[2]
+    if rows <= count:
+        return recent
+    seen = int(positions.amax()) + 1
+    newest = torch.arange(seen - count, seen, device=recent.device) % rows
+    return recent.index_select(2, newest)

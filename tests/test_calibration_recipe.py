@@ -63,6 +63,18 @@ def test_the_verdict_needs_a_lower_mean_and_two_thirds_of_the_excerpts_at_every_
     assert heavy_tail["verdict"] == VERDICT_DOES_NOT_HELP
 
 
+def test_of_two_learned_policies_that_pass_the_verdict_names_the_lower_at_the_smallest_budget():
+    best = [0.5] * 6
+    table = kl_table([0.4] * 6, best)
+    table["learned-block"] = {"128": [0.3] * 6, "512": [0.45] * 6}  # lower at 128, higher at 512: still passes
+    both = judge(table, [128, 512])
+    assert both["verdict"] == VERDICT_HELPS and both["learned"] == "learned-block"
+    table["learned-block"]["512"] = [0.6] * 6  # above the best training-free policy at 512: learned+caote's verdict
+    assert judge(table, [128, 512])["learned"] == "learned+caote"
+    del table["learned-block"]  # a validation from before learned-block: judged on the policies it has
+    assert judge(table, [128, 512])["learned"] == "learned+caote"
+
+
 def test_the_table_marks_the_lowest_kl_and_states_the_verdict():
     validation = {"texts": ["t"] * 6, "budgets": [128, 512], "kl": kl_table([0.4] * 6, [0.5] * 6)}
     validation.update(judge(validation["kl"], [128, 512]))

@@ -563,3 +563,41 @@ def test_a_predictor_given_to_a_policy_that_reads_none_is_refused_not_ignored(ca
     with pytest.raises(SystemExit) as stop:
         main(["generate", "hi", "--policy", "tova", "--predictor", committed])
     assert stop.value.code == 2 and "policy 'tova' reads no predictor" in capsys.readouterr().err
+
+
+def test_the_newest_recent_rows_are_the_newest_queries_whatever_the_ring_turned():
+    from caote.history import newest_recent_rows
+
+    memory, history, seen = SumAndRecent(8), None, 0
+    for new in (5, 1, 1, 6, 1, 9, 1, 1, 1, 3):  # prompt blocks and decode steps, the ring turning unevenly
+        seen += new
+        rows = torch.arange(seen - new, seen, dtype=torch.float32)[:, None].expand(new, seen) + 1  # query c: c + 1
+        grown = history if history is None else torch.cat([history, history.new_zeros(1, 1, history.shape[2], new)], -1)
+        history = memory.fold(grown, rows[None, None].clone(), in_place=False, seen=seen)
+        positions = torch.arange(seen)[None, None]
+        for count in (1, 3, 8):
+            newest = newest_recent_rows(history, positions, count)[0, 0, :, 0]
+            expected = torch.arange(max(seen - count, 0), seen, dtype=torch.float32) + 1
+            assert sorted(newest.tolist()) == expected.tolist(), (seen, count)
+
+
+def test_learned_block_keeps_what_learned_caote_keeps_without_its_block_term(llama, monkeypatch):
+    """With the block's exponent 0 learned-block is learned+caote read from a ring of 128 rows instead of 16: the
+    features read the same newest 16 rows (past the ring's first turn: 230 prompt tokens), so the same tokens stay
+    through prompt blocks and decode steps; with its exponent the block's output change moves some."""
+    import caote.learned
+
+    ids = random_ids(230, seed=12)
+
+    def run(policy: str) -> tuple:
+        cache = EvictionCache(llama, budget=48, policy=policy, block_size=32)
+        out = greedy(llama, ids, cache, new_tokens=20)
+        return out, [layer.positions.sort(-1).values for layer in cache.layers]
+
+    reference, kept = run("learned+caote")
+    blended, blended_kept = run("learned-block")
+    assert any(not torch.equal(a, b) for a, b in zip(kept, blended_kept))
+    monkeypatch.setattr(caote.learned, "BLOCK_EXPONENT", 0.0)
+    plain, plain_kept = run("learned-block")
+    assert torch.equal(plain, reference)
+    assert all(torch.equal(a, b) for a, b in zip(kept, plain_kept))

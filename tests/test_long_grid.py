@@ -36,15 +36,16 @@ def test_the_long_grid_runs_each_part_on_its_model_with_the_tail_scored_and_no_f
     assert gemma.protocols == ["in-prompt", "question-after"] and len(gemma.depths) * gemma.samples == 10
     assert configs["gemma3-code-8k"].benchmark == "perplexity-code"
     assert all("learned+caote" in configs[key].policies for key in texts)  # a predictor committed for each model
-    # 10 texts x (full + 9 policies x 2 budgets) per texts part; NIAH: 10 examples x protocols x (full + policies x
-    # budgets)
+    assert all(("learned-block" in configs[key].policies) == key.startswith("gemma3") for key in texts)
+    # 10 texts x (full + 9 policies x 2 budgets) per texts part, one policy more on Gemma-3's; NIAH: 10 examples x
+    # protocols x (full + policies x budgets)
     assert planned_rows(configs) == {
         "smollm2-essays-4k": 190,
         "smollm2-code-4k": 190,
         "smollm2-niah-4k": 40,
-        "gemma3-essays-8k": 190,
+        "gemma3-essays-8k": 210,
         "gemma3-niah-8k": 20 * (1 + 6 * 3),
-        "gemma3-code-8k": 190,
+        "gemma3-code-8k": 210,
     }
 
 

@@ -140,11 +140,16 @@ GEMMA_NIAH_POLICIES = (
     "learned+caote",
 )
 GEMMA_NIAH_BUDGETS = (256, 1024, 2048)
+# Gemma-3's texts also run learned-block, the learned policy its predictor's validation names (auto's choice there)
+GEMMA_EXTRA = ("learned-block",)
 
 
-def _long_text_part(task: str, length: int, model: str, label: str) -> GridPart:
-    """A texts part of the long grid: 10 texts, the last `LONG_TAIL` tokens scored, no fidelity."""
-    return GridPart(task, (length,), 10, model=model, scored_tail=LONG_TAIL, fidelity=False, label=label)
+def _long_text_part(task: str, length: int, model: str, label: str, extra: tuple[str, ...] = ()) -> GridPart:
+    """A texts part of the long grid: 10 texts, the last `LONG_TAIL` tokens scored, no fidelity; ``extra``: policies
+    beyond the grid's."""
+    return GridPart(
+        task, (length,), 10, model=model, scored_tail=LONG_TAIL, fidelity=False, label=label, extra_policies=extra
+    )
 
 
 def _long_niah_part(
@@ -178,7 +183,7 @@ LONG_GRID = Grid(
         _long_text_part("perplexity-joined", 4096, "smollm2-135m", "smollm2-essays-4k"),
         _long_text_part("perplexity-code", 4096, "smollm2-135m", "smollm2-code-4k"),
         _long_niah_part(4096, "smollm2-135m", "smollm2-niah-4k"),
-        _long_text_part("perplexity-joined", 8192, "gemma3-270m", "gemma3-essays-8k"),
+        _long_text_part("perplexity-joined", 8192, "gemma3-270m", "gemma3-essays-8k", GEMMA_EXTRA),
         _long_niah_part(
             8192,
             "gemma3-270m",
@@ -187,7 +192,7 @@ LONG_GRID = Grid(
             GEMMA_NIAH_BUDGETS,
             ("in-prompt", "question-after"),
         ),
-        _long_text_part("perplexity-code", 8192, "gemma3-270m", "gemma3-code-8k"),
+        _long_text_part("perplexity-code", 8192, "gemma3-270m", "gemma3-code-8k", GEMMA_EXTRA),
     ),
     policies=LONG_POLICIES,
     notes=(

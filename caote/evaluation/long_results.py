@@ -26,7 +26,8 @@ TEXT_TITLES = {
     "perplexity-code": "Python code",
     "niah": "NIAH (in-prompt)",
 }
-OURS = ("caote-block", "learned+caote")  # our policies in this grid, judged against the paper's in each part
+# our policies in this grid, judged against the paper's in each part (learned-block: Gemma-3's parts only)
+OURS = ("caote-block", "learned+caote", "learned-block")
 PLOT = "long_kl_vs_budget.png"
 NIAH_PLOT = "long_niah_vs_budget.png"  # hits against budget, a panel per NIAH part and protocol
 

@@ -119,6 +119,7 @@ BASE_COLOURS = {
     "caote-block": "tab:red",
     "caote-ahead": "tab:brown",
     "learned": "tab:cyan",
+    "learned-block": "darkcyan",
 }
 FULL_COLOUR = "navy"  # the full cache (dotted, or in `caote bench` its three configurations by line style)
 MARKERS = {"none": "o", "caote": "s", "fastcaote": "^"}  # plain / +caote / +fastcaote

@@ -4,10 +4,11 @@ Each excerpt is read once with the full cache and once per (policy, budget) in l
 (`caote.evaluation.lockstep`), giving each policy's KL from the full cache. The verdict compares the learned policies
 (`LEARNED`) with the best training-free candidate (`CANDIDATES`) at each budget:
 
-    helps  <=>  for learned+caote or learned, at every budget b:
+    helps  <=>  for one of the learned policies, at every budget b:
                 mean KL(learned, b) < mean KL(best candidate at b)  and  lower on >= 2/3 of the excerpts
 
-and "does not help" otherwise. The table, the verdict and the excerpts' ids are stored in the predictor's metadata
+and "does not help" otherwise; of several that pass, the one of lowest mean KL at the smallest budget is the one
+`auto` takes. The table, the verdict and the excerpts' ids are stored in the predictor's metadata
 (`caote.predictor.Predictor.validation`); `auto` reads the verdict.
 """
 
@@ -17,7 +18,9 @@ from caote.evaluation.calibration import document_of
 from caote.evaluation.lockstep import lockstep_results
 from caote.predictor import VERDICT_DOES_NOT_HELP, VERDICT_HELPS
 
-LEARNED = ("learned+caote", "learned")
+# the learned policies a predictor serves; learned-block added 2026-12-06 (the predictors validated before list the
+# first two only)
+LEARNED = ("learned+caote", "learned", "learned-block")
 # the training-free policies a learned one must beat: the paper's bases with CAOTE (plain and FastCAOTE left out for
 # time: on the long grid +caote was the better variant in most cells), StreamingLLM, and caote-block, the best
 # training-free policy at budget 256 on every long-grid part
@@ -64,8 +67,8 @@ def mean(values: list[float]) -> float:
 
 def judge(kl: dict, budgets: list[int]) -> dict:
     """The verdict of a validation's ``kl`` (policy -> budget -> per-excerpt KL): ``verdict``, ``learned`` (the
-    learned policy it is about: the one meeting the rule, else the one with the lower mean KL at the smallest
-    budget) and a one-line ``summary``."""
+    learned policy it is about: of those meeting the rule, else of all, the one with the lowest mean KL at the
+    smallest budget) and a one-line ``summary``."""
     best = {budget: min(CANDIDATES, key=lambda policy: mean(kl[policy][str(budget)])) for budget in budgets}
 
     def wins(policy: str, budget: int) -> int:
@@ -79,8 +82,9 @@ def judge(kl: dict, budgets: list[int]) -> dict:
             for b in budgets
         )
 
-    passing = [policy for policy in LEARNED if meets(policy)]
-    learned = passing[0] if passing else min(LEARNED, key=lambda policy: mean(kl[policy][str(budgets[0])]))
+    validated = [policy for policy in LEARNED if policy in kl]
+    passing = [policy for policy in validated if meets(policy)]
+    learned = min(passing or validated, key=lambda policy: mean(kl[policy][str(budgets[0])]))
     parts = []
     for budget in budgets:
         ours, theirs = mean(kl[learned][str(budget)]), mean(kl[best[budget]][str(budget)])
