@@ -11,7 +11,7 @@ from statistics import mean
 
 import pytest
 import torch
-from conftest import RandomIds, random_ids, tiny_model
+from conftest import RandomIds, greedy, random_ids, tiny_model
 
 import caote
 from caote import predictor as predictor_files
@@ -71,12 +71,14 @@ def test_without_a_predictor_auto_takes_the_training_free_policy_of_the_budget(l
     assert CacheSettings(budget=511).policy.name == "tova+caote" != CacheSettings(budget=512).policy.name
 
 
-@pytest.mark.parametrize("learned", ["learned+caote", "learned"])
+@pytest.mark.parametrize("learned", ["learned+caote", "learned", "learned-block"])
 def test_a_predictor_that_helps_upgrades_auto_to_the_learned_policy_it_names(llama, tmp_path, learned):
     path = predictor_file(llama, tmp_path, "helps", learned)
     cache = EvictionCache(llama, budget=256, predictor=path)
     assert cache.policy.name == learned and cache.settings.auto and cache.settings.requested == "auto"
     assert cache.settings.replace(budget=1024).policy.name == learned  # a learned choice does not hang on the budget
+    out = greedy(llama, random_ids(300, seed=5), cache, new_tokens=3)  # prompt blocks past the budget, decode steps
+    assert out.shape[-1] == 303 and (cache.stats().policy, cache.stats().requested) == (learned, "auto")
 
 
 def test_a_predictor_that_does_not_help_leaves_auto_training_free(llama, tmp_path):
