@@ -9,11 +9,13 @@ import csv
 import json
 from pathlib import Path
 
-# the rows: the reference, auto's choices (a model whose predictor helps; others, by budget), the two training-free
-# policies of lower KL that decode too slowly for auto, and StreamingLLM
+# the rows: the reference, auto's choices (the learned policy each model's predictor validation names; models without
+# a helpful predictor, by budget), the two training-free policies of lower KL that decode too slowly for auto, and
+# StreamingLLM (learned-block runs on Gemma-3's parts only: "–" elsewhere)
 POLICIES = {
     "full": "",
     "learned+caote": " = auto on SmolLM2",
+    "learned-block": " = auto on Gemma-3",
     "tova+caote": " = auto without a helpful predictor, b < 512",
     "h2o+caote": " = auto without a helpful predictor, b ≥ 512",
     "caote-block": "",

@@ -20,6 +20,10 @@ blocks: the policy runs there, uncalibrated for that case. A decode step predict
 `PREDICTION_REFRESH` steps (or when a token would leave the protected window unpredicted); in between, each token
 keeps its last prediction (rows of the layer's history that travel with it) and the tokens that arrived since, all
 protected, weigh nothing in the transform. Prompt blocks always predict afresh.
+
+``learned-block`` (`learned_block_score`) reads the same predictor and multiplies learned+caote's score at prompt
+blocks by the exact output change over the block's queries (caote-block's) to a small power; the validation of a
+predictor (`caote.evaluation.validation`) names which of the learned policies helps.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def scalar_features(inputs, sink_tokens: int) -> torch.Tensor:
     positions = inputs.positions
     newest = positions.amax(-1, keepdim=True)
     seen_by = (newest + 1 - positions).clamp_min(1).float()  # queries that have seen the token (itself included)
-    recent = newest_recent_rows(history, positions, RECENT_ROWS)  # a longer ring (learned-block): its newest
+    recent = newest_recent_rows(history, positions, RECENT_ROWS)  # the newest 16 of learned-block's 128 too
     # the KV group's mean of: the running sum, the block's sum and maximum, the recent rows' sum and maximum, the
     # newest row
     statistics = [
