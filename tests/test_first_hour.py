@@ -163,7 +163,11 @@ def test_the_readmes_choice_table_is_generated_from_the_committed_runs():
     assert match.group(1) == table, "stale: paste `python benchmarks/choice_table.py` between the markers"
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     assert len(rows) == len(choice.POLICIES), rows
-    assert all("–" not in row for row in rows[1:]), "an evicting policy lacks a measurement"  # full: no same-size ratio
+    # full has no same-size ratio; learned-block runs on Gemma-3 only: its 8k KL and pass keys, nothing of SmolLM2
+    gemma_only = [row for row in rows if row.startswith("| `learned-block`")]
+    assert all("–" not in row for row in rows[1:] if row not in gemma_only), "an evicting policy lacks a measurement"
+    cells = gemma_only[0].split("|")
+    assert "–" not in cells[5] + cells[6] + cells[8] and cells[1:5] == [cells[1], " – ", " – ", " – "]
     # the rows named after auto's choices are its choices
     assert [auto_training_free(budget) for budget in (256, 511, 512)] == ["tova+caote", "tova+caote", "h2o+caote"]
     assert "b < 512" in choice.POLICIES["tova+caote"] and "b ≥ 512" in choice.POLICIES["h2o+caote"]
