@@ -160,8 +160,9 @@ def add_validation_arguments(parser: argparse.ArgumentParser) -> None:
         "--validate",
         type=Path,
         metavar="FILE",
-        help="fit nothing: validate the predictor FILE (of this model) on excerpts of documents it was not fitted on, "
-        "and write it with its verdict to --out",
+        help="fit nothing: validate the predictor FILE (of this model) again and write it with its verdict to --out; "
+        "on the excerpts and budgets its stored validation read when the texts hold them (a like-for-like table), "
+        "otherwise on excerpts of documents it was not fitted on",
     )
     parser.add_argument(
         "--min-budget",
@@ -283,10 +284,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--length {length} exceeds the {positions} positions of {args.model!r}")
     long_length, long_count = long_excerpts(args, length, positions)
     fit, held = split_texts(args, tokenizer, length, given)
+    read_before = given is not None and bool(stored_excerpts(given, held))
     if given is None and long_count:
         fit += long_texts(args, tokenizer, long_length, long_count, held)
     warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line
-    validation_budgets = validation_budgets or [budgets[0], 4 * budgets[0]]
+    validation_budgets = validation_budgets or default_validation_budgets(budgets, given)
     runs = 0 if args.no_validation else len(held) * len(LEARNED + CANDIDATES) * len(validation_budgets)
     from tqdm.auto import tqdm
 
@@ -311,7 +313,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
             f"variance {details['held_out_variance']:.3g}; wrote {path} ({path.stat().st_size / 1024:.0f} KiB)"
         )
     else:
-        print(f"caote calibrate: validated {args.validate}; wrote {path}")
+        excerpts = (
+            f"the {len(held)} excerpts of its stored validation"
+            if read_before
+            else f"{len(held)} excerpts of documents it was not fitted on"
+        )
+        print(f"caote calibrate: validated {args.validate} again on {excerpts}; wrote {path}")
     print(verdict or "caote calibrate: not validated (--no-validation): the predictor carries no verdict")
     return 0
 
@@ -381,6 +388,9 @@ def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tupl
     if not texts:
         raise UsageError(f"no text reaches --length {length} tokens: give longer texts or a smaller --length")
     if given is not None:
+        stored = stored_excerpts(given, texts)
+        if stored:
+            return [], stored
         seen = {document_of(text_id) for text_id in [*given.texts, *sum(given.details.get("rolled_out_by", []), [])]}
         held = [text for text in texts if document_of(text.id) not in seen][:MIN_EXCERPTS]
         if len(held) < MIN_EXCERPTS:
@@ -403,6 +413,24 @@ def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tupl
             file=sys.stderr,
         )
     return fit[:count], held
+
+
+def stored_excerpts(predictor, texts: list) -> list:
+    """The excerpts of ``texts`` that ``predictor``'s stored validation read, in its order; empty when it has no
+    validation or ``texts`` lack one of them (other texts, another --length)."""
+    validation = predictor.validation
+    by_id = {text.id: text for text in texts}
+    if validation is None or not all(text_id in by_id for text_id in validation["texts"]):
+        return []
+    return [by_id[text_id] for text_id in validation["texts"]]
+
+
+def default_validation_budgets(budgets: list[int], given) -> list[int]:
+    """The budgets ``given``'s (``--validate``) stored validation compared at, else the first calibration budget and
+    4x it."""
+    if given is not None and given.validation is not None:
+        return list(given.validation["budgets"])
+    return [budgets[0], 4 * budgets[0]]
 
 
 def fit_rounds(args, model, tokenizer, fit: list, budgets: list[int], groups: list[str], rollout, bar):

@@ -196,15 +196,25 @@ def test_calibrate_runs_two_rounds_validates_on_held_out_documents_and_stores_th
     assert "x 2 rounds" in stdout and f"verdict: the predictor {validation['verdict']} (" in stdout
     assert predictor.helps == (validation["verdict"] == VERDICT_HELPS)
     assert predictor.verdict_line("mine").startswith(f"caote: predictor mine: {validation['verdict']} (b=40: ")
-    # validating it again fits nothing and finds the same verdict on the same excerpts
+    # validating it again fits nothing and, by default, reads the excerpts and budgets of its stored validation
     again = tmp_path / "again.safetensors"
     code, stdout, err = run_main(
-        capsys, "calibrate", "--texts", str(folder), "--length", "256", "--validate", str(out), "--out", str(again),
-        "--validation-budgets", "40,100",
+        capsys, "calibrate", "--texts", str(folder), "--length", "256", "--validate", str(out), "--out", str(again)
     )  # fmt: skip
     assert code == 0, err
-    assert Predictor.load(again).validation["kl"] == validation["kl"]
+    assert f"validated {out} again on the 6 excerpts of its stored validation" in stdout
+    assert Predictor.load(again).validation["texts"] == validation["texts"]
+    assert Predictor.load(again).validation["kl"] == validation["kl"]  # budgets 40 and 100, as stored
     assert (Predictor.load(again).weights == predictor.weights).all()
+    # at another length its excerpts cannot be had: excerpts of documents it was not fitted on, the default budgets
+    code, stdout, err = run_main(
+        capsys, "calibrate", "--texts", str(folder), "--length", "128", "--budgets", "40", "--validate", str(out),
+        "--out", str(again),
+    )  # fmt: skip
+    assert code == 0, err
+    assert f"validated {out} again on 6 excerpts of documents it was not fitted on" in stdout
+    assert Predictor.load(again).validation["budgets"] == [40, 100]
+    assert {text_id.split("-")[2] for text_id in Predictor.load(again).validation["texts"]} == {"128"}
 
 
 def test_too_few_documents_give_no_verdict_and_say_so(capsys, tiny_calibration, tmp_path):
