@@ -55,6 +55,22 @@ def test_ridge_on_demeaned_groups_ranks_a_synthetic_case_right():
     assert torch.equal((x @ weights).topk(10).indices.sort().values, (x @ truth).topk(10).indices.sort().values)
 
 
+def test_a_column_of_rounding_noise_gets_weight_zero_and_a_small_live_one_keeps_its_weight():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2000, 4, generator=generator, dtype=torch.float64)
+    noise = 0.1 * torch.randn(2000, generator=generator, dtype=torch.float64)
+    x[:, 2] *= 1e-2  # small but real: a near-dead channel, its weight must survive
+    x[:, 3] = 1e-7 * noise  # rounding noise that happens to track the target's noise
+    y = x[:, 0] * 2.0 - x[:, 1] + x[:, 2] * 50.0 + noise
+    equations = NormalEquations.empty(4)
+    equations.add(x, y)
+    weights = equations.solve(1e-4)
+    assert weights[3] == 0
+    assert torch.allclose(weights[:3], torch.tensor([2.0, -1.0, 50.0], dtype=torch.float64), rtol=0.05)
+    # standardised, the noise column would take a weight of about 1e7
+    assert (equations.xty[3] / equations.xtx[3, 3]).abs() > 1e6
+
+
 def test_mass_weights_grow_with_the_future_mass_clipped_and_of_mean_one():
     target = torch.log(torch.tensor([1e-9, 1.0, 2.0, 4.0, 8.0, 1e3], dtype=torch.float64))
     assert torch.equal(mass_weights(target, 0.0), torch.ones(6, dtype=torch.float64))

@@ -61,6 +61,7 @@ RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 MASS_WEIGHT_RANGE = (0.05, 20.0)
 MASS_WEIGHT_MOST = 4  # the largest power `calibrate` accepts (at 2 the heaviest few tokens already decide each fit)
 HELD_OUT_EVERY = 4  # every 4th calibration text chooses the ridge strengths
+DEAD_COLUMN = 1e-4  # a feature column this much smaller than the median one (root mean square) holds rounding only
 # with the collector standing in for the predictor: CAOTE over the group's H2O mass, or over a rollout predictor's
 ROLLOUT = "learned+caote"
 
@@ -97,12 +98,20 @@ class NormalEquations:
         return self
 
     def solve(self, strength: float) -> torch.Tensor:
-        """Ridge weights on standardised columns (each scaled by its root mean square), returned unscaled."""
-        scale = (self.xtx.diagonal() / max(self.rows, 1)).sqrt().clamp_min(1e-8)
-        gram = self.xtx / (scale[:, None] * scale[None, :]) / max(self.rows, 1)
+        """Ridge weights on standardised columns (each scaled by its root mean square), returned unscaled. A column
+        whose root mean square is below `DEAD_COLUMN` times the median column's gets weight 0: it holds rounding
+        noise (a key channel the model's norm zeroes, undone from RoPE), which standardising would blow up into a
+        weight of 1e5-1e6 that a half-precision cache's rounding then turns into noise in every prediction."""
+        scale = (self.xtx.diagonal() / max(self.rows, 1)).sqrt()
+        live = scale > DEAD_COLUMN * scale.median()
+        weights = torch.zeros_like(self.xty)
+        if not live.any():
+            return weights
+        kept = scale[live]
+        gram = self.xtx[live][:, live] / (kept[:, None] * kept[None, :]) / max(self.rows, 1)
         gram += strength * torch.eye(gram.shape[0], dtype=gram.dtype)
-        weights = torch.linalg.solve(gram, self.xty / scale / max(self.rows, 1))
-        return weights / scale
+        weights[live] = torch.linalg.solve(gram, self.xty[live] / kept / max(self.rows, 1)) / kept
+        return weights
 
     def squared_error(self, weights: torch.Tensor) -> float:
         """Mean squared error of ``weights`` on these rows: ``(y^T y - 2 w^T X^T y + w^T X^T X w) / n`` (weighted as
