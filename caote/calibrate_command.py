@@ -417,12 +417,21 @@ def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tupl
 
 def stored_excerpts(predictor, texts: list) -> list:
     """The excerpts of ``texts`` that ``predictor``'s stored validation read, in its order; empty when it has no
-    validation or ``texts`` lack one of them (other texts, another --length)."""
+    validation or ``texts`` lack one of them (other texts, another --length). Where the validation stored the
+    excerpts' digests (since 2026-12-07), an excerpt counts only if its text has the same digest."""
+    from caote.evaluation.validation import digest
+
     validation = predictor.validation
-    by_id = {text.id: text for text in texts}
-    if validation is None or not all(text_id in by_id for text_id in validation["texts"]):
+    if validation is None:
         return []
-    return [by_id[text_id] for text_id in validation["texts"]]
+    by_id = {text.id: text for text in texts}
+    stored = [by_id.get(text_id) for text_id in validation["texts"]]
+    if any(text is None for text in stored):
+        return []
+    digests = validation.get("digests")
+    if digests is not None and [digest(text.text) for text in stored] != digests:
+        return []
+    return stored
 
 
 def default_validation_budgets(budgets: list[int], given) -> list[int]:

@@ -204,6 +204,7 @@ def test_calibrate_runs_two_rounds_validates_on_held_out_documents_and_stores_th
     assert code == 0, err
     assert f"validated {out} again on the 6 excerpts of its stored validation" in stdout
     assert Predictor.load(again).validation["texts"] == validation["texts"]
+    assert len(validation["digests"]) == 6 and Predictor.load(again).validation["digests"] == validation["digests"]
     assert Predictor.load(again).validation["kl"] == validation["kl"]  # budgets 40 and 100, as stored
     assert (Predictor.load(again).weights == predictor.weights).all()
     # at another length its excerpts cannot be had: excerpts of documents it was not fitted on, the default budgets
@@ -215,6 +216,37 @@ def test_calibrate_runs_two_rounds_validates_on_held_out_documents_and_stores_th
     assert f"validated {out} again on 6 excerpts of documents it was not fitted on" in stdout
     assert Predictor.load(again).validation["budgets"] == [40, 100]
     assert {text_id.split("-")[2] for text_id in Predictor.load(again).validation["texts"]} == {"128"}
+
+
+def test_a_stored_validation_is_read_again_only_where_ids_and_texts_match():
+    from types import SimpleNamespace
+
+    from caote.calibrate_command import stored_excerpts
+    from caote.evaluation.validation import digest
+
+    texts = [Text(f"code-doc{index}-256-0", 256, f"text of document {index}", f"doc{index}") for index in range(3)]
+    stored = {"texts": [texts[2].id, texts[0].id], "budgets": [40]}
+    older = SimpleNamespace(validation=stored)  # validated before digests were stored: ids decide
+    assert stored_excerpts(older, texts) == [texts[2], texts[0]]
+    digests = [digest(texts[2].text), digest(texts[0].text)]
+    current = SimpleNamespace(validation={**stored, "digests": digests})
+    assert stored_excerpts(current, texts) == [texts[2], texts[0]]
+    edited = [texts[0], texts[1], texts[2]._replace(text="the same file name, another text")]
+    assert stored_excerpts(current, edited) == [] and stored_excerpts(older, edited) != []
+    assert stored_excerpts(current, texts[:2]) == [] and stored_excerpts(SimpleNamespace(validation=None), texts) == []
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-long"])
+def test_the_shipped_predictors_find_the_excerpts_of_their_stored_validation(tokenizer, name):
+    from caote.calibrate_command import stored_excerpts
+    from caote.evaluation.calibration import calibration_texts
+    from caote.predictor import PREDICTOR_DIR
+
+    predictor = Predictor.load(PREDICTOR_DIR / f"{name}.safetensors")
+    domain, length = predictor.validation["texts"][0].split("-")[0], predictor.validation["texts"][0].split("-")[2]
+    texts = calibration_texts(tokenizer, "essays" if domain == "essay" else domain, int(length))
+    found = stored_excerpts(predictor, texts)
+    assert [text.id for text in found] == predictor.validation["texts"] and len(predictor.validation["digests"]) == 6
 
 
 def test_too_few_documents_give_no_verdict_and_say_so(capsys, tiny_calibration, tmp_path):

@@ -14,6 +14,8 @@ and "does not help" otherwise; of several that pass, the one of lowest mean KL a
 
 from __future__ import annotations
 
+import hashlib
+
 from caote.evaluation.calibration import document_of
 from caote.evaluation.lockstep import lockstep_results
 from caote.predictor import VERDICT_DOES_NOT_HELP, VERDICT_HELPS
@@ -58,7 +60,19 @@ def validate(model, tokenizer, predictor_path, texts: list, budgets, bar=None) -
             kl[result["policy"]][str(result["budget"])].append(result["kl"])
             if bar is not None:
                 bar.update()
-    return {"texts": [text.id for text in texts], "budgets": list(budgets), "kl": kl, **judge(kl, list(budgets))}
+    return {
+        "texts": [text.id for text in texts],
+        "digests": [digest(text.text) for text in texts],
+        "budgets": list(budgets),
+        "kl": kl,
+        **judge(kl, list(budgets)),
+    }
+
+
+def digest(text: str) -> str:
+    """A short fingerprint of an excerpt's text, stored beside its id: ``caote calibrate --validate`` reads a
+    stored validation's excerpts again only where both match (a folder may reuse a file name for other text)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def mean(values: list[float]) -> float:
