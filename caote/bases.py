@@ -17,7 +17,14 @@ import torch
 
 from caote import base_scores, value_aware
 from caote.history import AttentionSum, RecentRows, SumAndRecent
-from caote.learned import BLOCK_EXPONENT, LEARNED_RECENT, RECENT_ROWS, learned_block_score, learned_score
+from caote.learned import (
+    BLOCK_EXPONENT,
+    BLOCK_FLOOR_QUANTILE,
+    LEARNED_RECENT,
+    RECENT_ROWS,
+    learned_block_score,
+    learned_score,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,8 +325,9 @@ BASE_SCORES: dict[str, BaseScore] = register(
         score=learned_block_score,
         about=About(
             f"beyond the paper: learned+caote's score times caote-block's (the exact output change over the newest "
-            f"{BLOCK_ROWS} queries) to the power {BLOCK_EXPONENT}, at prompt blocks; decode steps score as "
-            "learned+caote; needs a calibrated predictor, like learned, and keeps the block's attention rows",
+            f"{BLOCK_ROWS} queries, floored at its {BLOCK_FLOOR_QUANTILE:.0%} quantile) to the power {BLOCK_EXPONENT}, "
+            "at prompt blocks; decode steps score as learned+caote; needs a calibrated predictor, like learned, and "
+            "keeps the block's attention rows",
             "this library; learned (above) and CAOTE of arXiv 2504.14051 over many queries",
             paper_base="h2o",
         ),

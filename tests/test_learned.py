@@ -617,3 +617,15 @@ def test_learned_block_keeps_what_learned_caote_keeps_without_its_block_term(lla
     plain, plain_kept = run("learned-block")
     assert torch.equal(plain, reference)
     assert all(torch.equal(a, b) for a, b in zip(kept, plain_kept))
+
+
+def test_the_block_floor_lifts_each_head_to_its_quantile_over_real_tokens():
+    from caote.learned import floored
+
+    errors = torch.tensor([[[0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 0.0, 0.0, 9.0, 100.0]]])
+    real = torch.tensor([[[True] * 5, [True, True, True, True, False]]])
+    lifted = floored(errors, real, 0.5)
+    assert lifted[0, 0].tolist() == [2.0, 2.0, 2.0, 3.0, 4.0]
+    assert lifted[0, 1].tolist() == [5.0, 2.5, 2.5, 9.0, 100.0]  # median of 5, 0, 0, 9: the padded 100 sets none
+    assert floored(errors, None, 0.0)[0, 0, 0] == torch.finfo(torch.float32).tiny  # a zero stays positive
+    assert (floored(errors, torch.zeros_like(real), 0.5) == errors.clamp_min(torch.finfo(torch.float32).tiny)).all()
