@@ -22,7 +22,8 @@ keeps its last prediction (rows of the layer's history that travel with it) and 
 protected, weigh nothing in the transform. Prompt blocks always predict afresh.
 
 ``learned-block`` (`learned_block_score`) reads the same predictor and multiplies learned+caote's score at prompt
-blocks by the exact output change over the block's queries (caote-block's) to a small power; the validation of a
+blocks by the exact output change over the block's queries (caote-block's), floored at a low quantile so that it
+cannot veto a token those queries do not read, to a small power; the validation of a
 predictor (`caote.evaluation.validation`) names which of the learned policies helps.
 """
 
@@ -73,8 +74,8 @@ BLOCK_EXPONENT = 0.25
 # learned-block's floor: a head's block errors below this quantile of its held tokens' count as that quantile, so a
 # token the block's queries do not read (a needle, to a haystack's queries) is ranked by its prediction rather than
 # dropped for the block's silence. Of none / 0.25 / 0.5, 0.25 had the lowest KL at budget 128 on the 6 dev essays
-# above (level at 512), and at 128 it found 8 · 6 of 10 · 10 pass keys on dev haystacks where none found 3 · 2
-# (0.1: 7 · 5; docs/learned.md, "A floor under the block's output change")
+# above (at 512 +1 % against no floor, lower on 3 of 6), and at 128 it found 8 · 6 of 10 · 10 pass keys on dev
+# haystacks where no floor found 3 · 2 (0.1: 7 · 5; docs/learned.md, "A floor under the block's output change")
 BLOCK_FLOOR_QUANTILE = 0.25
 SCALARS = (
     "log_sum",
@@ -317,8 +318,13 @@ def learned_block_score(inputs) -> torch.Tensor:
 
 
 def floored(errors: torch.Tensor, real: torch.Tensor | None, quantile: float) -> torch.Tensor:
-    """``errors`` ``(B, H_kv, N)`` raised to their ``quantile`` over each head's ``real`` tokens (padding neither
-    sets the floor nor matters), and to the smallest positive float so that a power of them stays finite."""
-    held = errors if real is None else errors.masked_fill(~real, float("nan"))
-    floor = torch.nanquantile(held, quantile, dim=-1, keepdim=True).nan_to_num(0.0)
+    """``errors`` ``(B, H_kv, N)`` lifted to their ``quantile`` over each head's ``real`` tokens (padding neither
+    sets the floor nor matters; an infinite error counts as the largest float there, so that a head of mostly
+    infinite errors still gets a floor), and to the smallest positive float so that a power of them stays
+    positive. The quantile is taken in float32 or wider (`torch.nanquantile` takes no half precision)."""
+    counted = errors.to(torch.promote_types(errors.dtype, torch.float32))
+    counted = counted.clamp_max(torch.finfo(counted.dtype).max)
+    if real is not None:
+        counted = counted.masked_fill(~real, float("nan"))
+    floor = torch.nanquantile(counted, quantile, dim=-1, keepdim=True).nan_to_num(0.0).to(errors.dtype)
     return errors.maximum(floor).clamp_min(torch.finfo(errors.dtype).tiny)

@@ -243,8 +243,9 @@ def test_the_shipped_predictors_find_the_excerpts_of_their_stored_validation(tok
     from caote.predictor import PREDICTOR_DIR
 
     predictor = Predictor.load(PREDICTOR_DIR / f"{name}.safetensors")
-    domain, length = predictor.validation["texts"][0].split("-")[0], predictor.validation["texts"][0].split("-")[2]
-    texts = calibration_texts(tokenizer, "essays" if domain == "essay" else domain, int(length))
+    parts = predictor.validation["texts"][0].split("-")  # <domain>-<document>-<length>[-k]
+    length = next(part for part in parts[2:] if part.isdigit())
+    texts = calibration_texts(tokenizer, "essays" if parts[0] == "essay" else parts[0], int(length))
     found = stored_excerpts(predictor, texts)
     assert [text.id for text in found] == predictor.validation["texts"] and len(predictor.validation["digests"]) == 6
 

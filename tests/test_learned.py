@@ -629,3 +629,12 @@ def test_the_block_floor_lifts_each_head_to_its_quantile_over_real_tokens():
     assert lifted[0, 1].tolist() == [5.0, 2.5, 2.5, 9.0, 100.0]  # median of 5, 0, 0, 9: the padded 100 sets none
     assert floored(errors, None, 0.0)[0, 0, 0] == torch.finfo(torch.float32).tiny  # a zero stays positive
     assert (floored(errors, torch.zeros_like(real), 0.5) == errors.clamp_min(torch.finfo(torch.float32).tiny)).all()
+    # a batch of two, each row with its own padding: each (row, head) has its own floor
+    pair = torch.stack([errors[0], errors[0].flip(-1)])
+    masks = torch.stack([real[0], real[0].flip(-1)])
+    assert torch.equal(floored(pair, masks, 0.5)[1], floored(errors, real, 0.5)[0].flip(-1))
+    # mostly infinite errors: the floor lies between the finite ones and the largest float, not lost to a NaN
+    infinite = floored(torch.tensor([[[1.0, 2.0] + [float("inf")] * 6]]), None, 0.25)[0, 0]
+    assert torch.isfinite(infinite[:2]).all() and (infinite[:2] > 1e38).all() and torch.isinf(infinite[2:]).all()
+    half = floored(errors.to(torch.bfloat16), real, 0.5)  # half precision: the quantile is taken in float32
+    assert half.dtype == torch.bfloat16 and half[0, 1].tolist() == [5.0, 2.5, 2.5, 9.0, 100.0]
