@@ -165,6 +165,12 @@ def add_validation_arguments(parser: argparse.ArgumentParser) -> None:
         "otherwise on excerpts of documents it was not fitted on",
     )
     parser.add_argument(
+        "--recompute",
+        metavar="POLICIES",
+        help="with --validate: recompute only these policies' rows, comma-separated, and keep the others' from the "
+        "stored validation (which must be read again: same excerpts and budgets); a policy it lacks is computed too",
+    )
+    parser.add_argument(
         "--min-budget",
         type=positive_int,
         help="record that the predictor is for budgets from this one on; it matters only for the files caote ships "
@@ -193,6 +199,19 @@ def budget_list(text: str, option: str) -> list[int]:
         return parse_int_list(text, minimum=1)
     except ValueError:
         raise UsageError(f"{option} must be comma-separated values, got {text!r}") from None
+
+
+def recompute_list(text: str) -> list[str]:
+    """``"learned-block,caote-block"`` -> the validation's policies to recompute, or a `UsageError`."""
+    from caote.evaluation.validation import CANDIDATES, LEARNED
+
+    policies = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [policy for policy in policies if policy not in LEARNED + CANDIDATES]
+    if not policies or unknown:
+        raise UsageError(
+            f"--recompute takes policies of the validation ({', '.join(LEARNED + CANDIDATES)}), got {text!r}"
+        )
+    return policies
 
 
 def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | None, list[str]]:
@@ -227,6 +246,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | No
             raise UsageError(f"--{option.replace('_', '-')} '{path}' is not a file (write one with caote calibrate)")
     if args.validate is not None and args.no_validation:
         raise UsageError("--validate and --no-validation contradict each other")
+    if args.recompute is not None:
+        if args.validate is None:
+            raise UsageError("--recompute takes effect with --validate FILE, whose stored rows it keeps")
+        recompute_list(args.recompute)
     return budgets, validation, groups
 
 
@@ -271,6 +294,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         else load_predictor(args.rollout_predictor, "--rollout-predictor", groups)
     )
     given = None if args.validate is None else load_predictor(args.validate, "--validate")
+    policies, kept = validation_plan(args, given, validation_budgets)
     if args.threads is not None:
         import torch
 
@@ -285,11 +309,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
     long_length, long_count = long_excerpts(args, length, positions)
     fit, held = split_texts(args, tokenizer, length, given)
     read_before = given is not None and bool(stored_excerpts(given, held))
+    if kept is not None and not read_before:
+        raise UsageError(
+            f"--recompute: the texts do not hold the excerpts of the stored validation of '{args.validate}' "
+            "(another --length, --domain or --texts?): validate every policy again instead"
+        )
     if given is None and long_count:
         fit += long_texts(args, tokenizer, long_length, long_count, held)
     warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line
     validation_budgets = validation_budgets or default_validation_budgets(budgets, given)
-    runs = 0 if args.no_validation else len(held) * len(LEARNED + CANDIDATES) * len(validation_budgets)
+    runs = 0 if args.no_validation else len(held) * len(policies) * len(validation_budgets)
     from tqdm.auto import tqdm
 
     from caote.evaluation.calibration import evicting_budgets
@@ -300,7 +329,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
             given if given is not None else fit_rounds(args, model, tokenizer, fit, budgets, groups, rollout, bar)
         )
         verdict = (
-            None if args.no_validation else validate_into(predictor, model, tokenizer, held, validation_budgets, bar)
+            None
+            if args.no_validation
+            else validate_into(predictor, model, tokenizer, held, validation_budgets, bar, policies, kept)
         )
     if args.min_budget is not None:
         predictor.details["min_budget"] = args.min_budget
@@ -318,7 +349,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             if read_before
             else f"{len(held)} excerpts of documents it was not fitted on"
         )
-        print(f"caote calibrate: validated {args.validate} again on {excerpts}; wrote {path}")
+        recomputed = "" if kept is None else f" (rows recomputed: {', '.join(policies)}; the others as stored)"
+        print(f"caote calibrate: validated {args.validate} again on {excerpts}{recomputed}; wrote {path}")
     print(verdict or "caote calibrate: not validated (--no-validation): the predictor carries no verdict")
     return 0
 
@@ -388,7 +420,7 @@ def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tupl
     if not texts:
         raise UsageError(f"no text reaches --length {length} tokens: give longer texts or a smaller --length")
     if given is not None:
-        stored = stored_excerpts(given, texts)
+        stored = stored_excerpts(given, texts, say_why=True)
         if stored:
             return [], stored
         seen = {document_of(text_id) for text_id in [*given.texts, *sum(given.details.get("rolled_out_by", []), [])]}
@@ -415,10 +447,11 @@ def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tupl
     return fit[:count], held
 
 
-def stored_excerpts(predictor, texts: list) -> list:
+def stored_excerpts(predictor, texts: list, say_why: bool = False) -> list:
     """The excerpts of ``texts`` that ``predictor``'s stored validation read, in its order; empty when it has no
     validation or ``texts`` lack one of them (other texts, another --length). Where the validation stored the
-    excerpts' digests (since 2026-12-07), an excerpt counts only if its text has the same digest."""
+    excerpts' digests (since 2026-12-07), an excerpt counts only if its text has the same digest; ``say_why``: say
+    on stderr when every id is there but a text differs (edited files, or a tokenizer that decodes otherwise)."""
     from caote.evaluation.validation import digest
 
     validation = predictor.validation
@@ -430,8 +463,35 @@ def stored_excerpts(predictor, texts: list) -> list:
         return []
     digests = validation.get("digests")
     if digests is not None and [digest(text.text) for text in stored] != digests:
+        if say_why:
+            print(
+                "caote calibrate: the texts hold the ids of the stored validation's excerpts but not all of their "
+                "text (edited files, or a tokenizer that decodes otherwise): validating on other excerpts",
+                file=sys.stderr,
+            )
         return []
     return stored
+
+
+def validation_plan(args: argparse.Namespace, given, budgets: list[int] | None) -> tuple[tuple[str, ...], dict | None]:
+    """``(policies, kept)``: the policies the validation runs and the stored rows it keeps for the others (None:
+    it runs every policy). With ``--recompute``, those named and any the stored validation lacks; a `UsageError`
+    when ``given`` has no stored validation or ``budgets`` (``--validation-budgets``) are not its own."""
+    from caote.evaluation.validation import CANDIDATES, LEARNED
+
+    if args.recompute is None:
+        return LEARNED + CANDIDATES, None
+    stored = given.validation
+    if stored is None:
+        raise UsageError(f"--recompute: '{args.validate}' has no stored validation to keep rows of")
+    if budgets is not None and budgets != list(stored["budgets"]):
+        raise UsageError(
+            f"--recompute: --validation-budgets must be the stored validation's, "
+            f"{','.join(map(str, stored['budgets']))}, or left out"
+        )
+    named = recompute_list(args.recompute)
+    policies = tuple(policy for policy in LEARNED + CANDIDATES if policy in named or policy not in stored["kl"])
+    return policies, {policy: rows for policy, rows in stored["kl"].items() if policy not in policies}
 
 
 def default_validation_budgets(budgets: list[int], given) -> list[int]:
@@ -462,10 +522,12 @@ def fit_rounds(args, model, tokenizer, fit: list, budgets: list[int], groups: li
     )
 
 
-def validate_into(predictor, model, tokenizer, held: list, budgets: list[int], bar) -> str | None:
-    """Validate ``predictor`` on ``held`` (`caote.evaluation.validation.validate`, reading a temporary copy of it,
-    so a killed run leaves no predictor at --out), store the result in its details and return the printed table;
-    None when there is nothing to validate on."""
+def validate_into(
+    predictor, model, tokenizer, held: list, budgets: list[int], bar, policies: tuple[str, ...], kept: dict | None
+) -> str | None:
+    """Validate ``predictor`` on ``held`` (`caote.evaluation.validation.validate` of ``policies``, keeping the
+    ``kept`` rows, reading a temporary copy of it, so a killed run leaves no predictor at --out), store the result
+    in its details and return the printed table; None when there is nothing to validate on."""
     import tempfile
 
     from caote.evaluation.validation import validate, validation_table
@@ -474,5 +536,5 @@ def validate_into(predictor, model, tokenizer, held: list, budgets: list[int], b
         return None
     with tempfile.TemporaryDirectory(prefix="caote-calibrate-") as folder:
         draft = predictor.save(Path(folder) / "draft.safetensors")
-        predictor.details["validation"] = validate(model, tokenizer, draft, held, budgets, bar)
+        predictor.details["validation"] = validate(model, tokenizer, draft, held, budgets, bar, policies, kept)
     return validation_table(predictor.details["validation"])

@@ -218,6 +218,60 @@ def test_calibrate_runs_two_rounds_validates_on_held_out_documents_and_stores_th
     assert {text_id.split("-")[2] for text_id in Predictor.load(again).validation["texts"]} == {"128"}
 
 
+def test_recompute_keeps_the_stored_rows_of_the_policies_it_does_not_name(capsys, tiny_calibration, tmp_path):
+    out, again = tmp_path / "mine.safetensors", tmp_path / "again.safetensors"
+    folder = folder_of_texts(tmp_path)
+    base = ["calibrate", "--texts", str(folder), "--length", "256"]
+    code, _, err = run_main(
+        capsys, *base, "--budgets", "40", "--rounds", "1", "--validation-budgets", "40", "--out", str(out)
+    )
+    assert code == 0, err
+    original = Predictor.load(out)
+    stored = original.validation
+    marked = dict(stored, kl={**stored["kl"], "h2o+caote": {"40": [9.0] * 6}})  # a row no run could give
+    del marked["kl"]["learned-block"]  # as in a validation from before learned-block: computed, though not named
+    original.details["validation"] = marked
+    original.save(out)
+    code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
+    assert code == 0, err
+    assert "(rows recomputed: learned, learned-block; the others as stored)" in stdout
+    assert "rows of learned, learned-block recomputed, the others as stored" in stdout
+    assert "12/12" in err  # 6 excerpts x 2 policies x 1 budget
+    validation = Predictor.load(again).validation
+    assert validation["recomputed"] == ["learned", "learned-block"] and list(validation["kl"]) == list(stored["kl"])
+    assert validation["kl"]["h2o+caote"] == {"40": [9.0] * 6}  # kept, not run
+    for policy in ("learned", "learned-block", "streamingllm"):
+        assert validation["kl"][policy]["40"] == pytest.approx(stored["kl"][policy]["40"]), policy  # run alike, kept
+    for args, message in [
+        (["--length", "128", "--budgets", "40"], "--recompute: the texts do not hold the excerpts of the stored"),
+        (["--validation-budgets", "40,100"], "--recompute: --validation-budgets must be the stored validation's, 40"),
+        (["--recompute", "learned,nope"], "--recompute takes policies of the validation (learned+caote, learned"),
+    ]:
+        argv = ["calibrate", "--texts", str(folder), "--validate", str(out), "--recompute", "learned", "--out", "x"]
+        code, stdout, err = run_main(capsys, *argv, *args)
+        assert code == 2 and stdout == "" and err.count("\n") == 1 and message in err, err
+    original.details["validation"] = None
+    original.save(out)
+    code, _, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
+    assert code == 2 and "has no stored validation to keep rows of" in err
+
+
+def test_validating_again_says_why_when_the_stored_excerpts_texts_changed(capsys, tiny_calibration, tmp_path):
+    out = tmp_path / "mine.safetensors"
+    folder = folder_of_texts(tmp_path)
+    base = ["calibrate", "--texts", str(folder), "--length", "256"]
+    code, _, err = run_main(
+        capsys, *base, "--budgets", "40", "--rounds", "1", "--validation-budgets", "40", "--out", str(out)
+    )
+    assert code == 0 and "not all of their text" not in err, err
+    held = folder / f"{Predictor.load(out).validation['texts'][0].split('-')[1]}.txt"
+    held.write_text(held.read_text().replace("says", "writes"))  # the same file name, another text
+    code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--out", str(out))
+    assert code == 0, err
+    assert "the texts hold the ids of the stored validation's excerpts but not all of their text" in err
+    assert "again on 6 excerpts of documents it was not fitted on" in stdout
+
+
 def test_a_stored_validation_is_read_again_only_where_ids_and_texts_match():
     from types import SimpleNamespace
 
@@ -287,6 +341,7 @@ def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calib
         (["--long-count", "-1"], "argument --long-count: must be an integer >= 0"),
         (["--long-length", "4096"], "--long-length takes effect with --long-count N"),
         (["--no-balance-lengths"], "--no-balance-lengths takes effect with --long-count N"),
+        (["--recompute", "learned"], "--recompute takes effect with --validate FILE"),
     ],
 )
 def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch, args, message):
