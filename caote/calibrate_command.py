@@ -246,10 +246,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | No
             raise UsageError(f"--{option.replace('_', '-')} '{path}' is not a file (write one with caote calibrate)")
     if args.validate is not None and args.no_validation:
         raise UsageError("--validate and --no-validation contradict each other")
-    if args.recompute is not None:
-        if args.validate is None:
-            raise UsageError("--recompute takes effect with --validate FILE, whose stored rows it keeps")
-        recompute_list(args.recompute)
+    if args.recompute is not None and args.validate is None:
+        raise UsageError("--recompute takes effect with --validate FILE, whose stored rows it keeps")
     return budgets, validation, groups
 
 
@@ -481,6 +479,7 @@ def validation_plan(args: argparse.Namespace, given, budgets: list[int] | None) 
 
     if args.recompute is None:
         return LEARNED + CANDIDATES, None
+    named = recompute_list(args.recompute)
     stored = given.validation
     if stored is None:
         raise UsageError(f"--recompute: '{args.validate}' has no stored validation to keep rows of")
@@ -489,7 +488,6 @@ def validation_plan(args: argparse.Namespace, given, budgets: list[int] | None) 
             f"--recompute: --validation-budgets must be the stored validation's, "
             f"{','.join(map(str, stored['budgets']))}, or left out"
         )
-    named = recompute_list(args.recompute)
     policies = tuple(policy for policy in LEARNED + CANDIDATES if policy in named or policy not in stored["kl"])
     return policies, {policy: rows for policy, rows in stored["kl"].items() if policy not in policies}
 
