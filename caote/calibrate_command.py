@@ -305,13 +305,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if positions is not None and length > positions:
         raise UsageError(f"--length {length} exceeds the {positions} positions of {args.model!r}")
     long_length, long_count = long_excerpts(args, length, positions)
-    fit, held = split_texts(args, tokenizer, length, given)
-    read_before = given is not None and bool(stored_excerpts(given, held))
-    if kept is not None and not read_before:
-        raise UsageError(
-            f"--recompute: the texts do not hold the excerpts of the stored validation of '{args.validate}' "
-            "(another --length, --domain or --texts?): validate every policy again instead"
-        )
+    fit, held, read_before = split_texts(args, tokenizer, length, given, recompute=kept is not None)
     if given is None and long_count:
         fit += long_texts(args, tokenizer, long_length, long_count, held)
     warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line
@@ -347,8 +341,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             if read_before
             else f"{len(held)} excerpts of documents it was not fitted on"
         )
-        recomputed = "" if kept is None else f" (rows recomputed: {', '.join(policies)}; the others as stored)"
-        print(f"caote calibrate: validated {args.validate} again on {excerpts}{recomputed}; wrote {path}")
+        print(f"caote calibrate: validated {args.validate} again on {excerpts}; wrote {path}")
     print(verdict or "caote calibrate: not validated (--no-validation): the predictor carries no verdict")
     return 0
 
@@ -404,10 +397,13 @@ def described(texts: list) -> str:
     return f"{count} texts of {length} tokens" + "".join(f" and {count} of {length}" for length, count in others)
 
 
-def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tuple[list, list]:
-    """``(fit, held)``: the excerpts to fit on (``--count`` of them, or `CALIBRATION_TOKENS`' worth) and the
-    excerpts of held-out documents to validate on; with ``given`` (``--validate``), nothing to fit and the
-    excerpts of every document the predictor was not fitted on."""
+def split_texts(
+    args: argparse.Namespace, tokenizer, length: int, given, recompute: bool = False
+) -> tuple[list, list, bool]:
+    """``(fit, held, read_before)``: the excerpts to fit on (``--count`` of them, or `CALIBRATION_TOKENS`' worth)
+    and the excerpts of held-out documents to validate on; with ``given`` (``--validate``), nothing to fit and the
+    excerpts of its stored validation (``read_before``) when the texts hold them, else of every document it was not
+    fitted on, which ``recompute`` (``--recompute``: rows kept from the stored validation) refuses."""
     from caote.evaluation.calibration import default_count, document_of
     from caote.evaluation.validation import MIN_EXCERPTS, hold_out
 
@@ -418,9 +414,11 @@ def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tupl
     if not texts:
         raise UsageError(f"no text reaches --length {length} tokens: give longer texts or a smaller --length")
     if given is not None:
-        stored = stored_excerpts(given, texts, say_why=True)
+        stored, missing = stored_excerpts(given, texts)
         if stored:
-            return [], stored
+            return [], stored, True
+        if recompute:
+            raise UsageError(f"--recompute keeps rows of the stored validation's excerpts, but {missing}")
         seen = {document_of(text_id) for text_id in [*given.texts, *sum(given.details.get("rolled_out_by", []), [])]}
         held = [text for text in texts if document_of(text.id) not in seen][:MIN_EXCERPTS]
         if len(held) < MIN_EXCERPTS:
@@ -428,7 +426,9 @@ def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tupl
                 f"--validate: only {len(held)} excerpts of {length} tokens come from documents the predictor was not "
                 f"fitted on; {MIN_EXCERPTS} are needed (try --domain essays, or --texts FOLDER)"
             )
-        return [], held
+        if given.validation is not None:
+            print(f"caote calibrate: not the stored validation's excerpts: {missing}", file=sys.stderr)
+        return [], held, False
     fit, held = hold_out(texts) if not args.no_validation else (texts, [])
     count = args.count or default_count(length)
     if args.count is not None and len(fit) < args.count:
@@ -442,33 +442,29 @@ def split_texts(args: argparse.Namespace, tokenizer, length: int, given) -> tupl
             "half of them are fitted on: the predictor will carry no verdict (give more documents)",
             file=sys.stderr,
         )
-    return fit[:count], held
+    return fit[:count], held, False
 
 
-def stored_excerpts(predictor, texts: list, say_why: bool = False) -> list:
-    """The excerpts of ``texts`` that ``predictor``'s stored validation read, in its order; empty when it has no
-    validation or ``texts`` lack one of them (other texts, another --length). Where the validation stored the
-    excerpts' digests (since 2026-12-07), an excerpt counts only if its text has the same digest; ``say_why``: say
-    on stderr when every id is there but a text differs (edited files, or a tokenizer that decodes otherwise)."""
+def stored_excerpts(predictor, texts: list) -> tuple[list, str]:
+    """``(excerpts, missing)``: the excerpts of ``texts`` that ``predictor``'s stored validation read, in its order,
+    or none and why. Where the validation stored the excerpts' digests (since 2026-12-07), an excerpt counts only if
+    its text has the same digest."""
     from caote.evaluation.validation import digest
 
     validation = predictor.validation
     if validation is None:
-        return []
+        return [], "the predictor has no stored validation"
     by_id = {text.id: text for text in texts}
     stored = [by_id.get(text_id) for text_id in validation["texts"]]
     if any(text is None for text in stored):
-        return []
+        return [], "the texts lack some of them (another --length, --domain or --texts?)"
     digests = validation.get("digests")
     if digests is not None and [digest(text.text) for text in stored] != digests:
-        if say_why:
-            print(
-                "caote calibrate: the texts hold the ids of the stored validation's excerpts but not all of their "
-                "text (edited files, or a tokenizer that decodes otherwise): validating on other excerpts",
-                file=sys.stderr,
-            )
-        return []
-    return stored
+        return (
+            [],
+            "the texts hold their ids, not all of their text (edited files, or a tokenizer that decodes otherwise)",
+        )
+    return stored, ""
 
 
 def validation_plan(args: argparse.Namespace, given, budgets: list[int] | None) -> tuple[tuple[str, ...], dict | None]:
@@ -483,13 +479,18 @@ def validation_plan(args: argparse.Namespace, given, budgets: list[int] | None) 
     stored = given.validation
     if stored is None:
         raise UsageError(f"--recompute: '{args.validate}' has no stored validation to keep rows of")
+    if "digests" not in stored:  # its excerpts could not be told from other text of the same name
+        raise UsageError(
+            f"--recompute: the validation of '{args.validate}' predates excerpt digests: validate it whole"
+        )
     if budgets is not None and budgets != list(stored["budgets"]):
         raise UsageError(
             f"--recompute: --validation-budgets must be the stored validation's, "
             f"{','.join(map(str, stored['budgets']))}, or left out"
         )
     policies = tuple(policy for policy in LEARNED + CANDIDATES if policy in named or policy not in stored["kl"])
-    return policies, {policy: rows for policy, rows in stored["kl"].items() if policy not in policies}
+    kept = {policy: rows for policy, rows in stored["kl"].items() if policy not in policies}
+    return policies, kept or None  # every policy named: a whole validation
 
 
 def default_validation_budgets(budgets: list[int], given) -> list[int]:

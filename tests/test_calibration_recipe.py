@@ -228,28 +228,37 @@ def test_recompute_keeps_the_stored_rows_of_the_policies_it_does_not_name(capsys
     assert code == 0, err
     original = Predictor.load(out)
     stored = original.validation
-    marked = dict(stored, kl={**stored["kl"], "h2o+caote": {"40": [9.0] * 6}})  # a row no run could give
+    # rows no run could give: h2o+caote's (not named: kept, so the verdict must read it), learned's (named: run again)
+    marked = dict(stored, kl={**stored["kl"], "h2o+caote": {"40": [0.0] * 6}, "learned": {"40": [9.0] * 6}})
     del marked["kl"]["learned-block"]  # as in a validation from before learned-block: computed, though not named
     original.details["validation"] = marked
     original.save(out)
     code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
     assert code == 0, err
-    assert "(rows recomputed: learned, learned-block; the others as stored)" in stdout
     assert "rows of learned, learned-block recomputed, the others as stored" in stdout
     assert "12/12" in err  # 6 excerpts x 2 policies x 1 budget
     validation = Predictor.load(again).validation
     assert validation["recomputed"] == ["learned", "learned-block"] and list(validation["kl"]) == list(stored["kl"])
-    assert validation["kl"]["h2o+caote"] == {"40": [9.0] * 6}  # kept, not run
+    assert validation["kl"]["h2o+caote"] == {"40": [0.0] * 6}  # kept, not run
+    assert validation["best"] == {"40": "h2o+caote"} and validation["verdict"] == VERDICT_DOES_NOT_HELP
     for policy in ("learned", "learned-block", "streamingllm"):
         assert validation["kl"][policy]["40"] == pytest.approx(stored["kl"][policy]["40"]), policy  # run alike, kept
     for args, message in [
-        (["--length", "128", "--budgets", "40"], "--recompute: the texts do not hold the excerpts of the stored"),
+        (
+            ["--length", "128", "--budgets", "40"],
+            "--recompute keeps rows of the stored validation's excerpts, but the "
+            "texts lack some of them (another --length, --domain or --texts?)",
+        ),
         (["--validation-budgets", "40,100"], "--recompute: --validation-budgets must be the stored validation's, 40"),
         (["--recompute", "learned,nope"], "--recompute takes policies of the validation (learned+caote, learned"),
     ]:
         argv = ["calibrate", "--texts", str(folder), "--validate", str(out), "--recompute", "learned", "--out", "x"]
         code, stdout, err = run_main(capsys, *argv, *args)
         assert code == 2 and stdout == "" and err.count("\n") == 1 and message in err, err
+    original.details["validation"] = {key: value for key, value in stored.items() if key != "digests"}
+    original.save(out)
+    code, _, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
+    assert code == 2 and "predates excerpt digests: validate it whole" in err
     original.details["validation"] = None
     original.save(out)
     code, _, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
@@ -263,12 +272,18 @@ def test_validating_again_says_why_when_the_stored_excerpts_texts_changed(capsys
     code, _, err = run_main(
         capsys, *base, "--budgets", "40", "--rounds", "1", "--validation-budgets", "40", "--out", str(out)
     )
-    assert code == 0 and "not all of their text" not in err, err
+    assert code == 0, err
+    code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--out", str(out))
+    assert code == 0 and "not the stored validation's excerpts" not in err, err
+    assert "again on the 6 excerpts of its stored validation" in stdout
     held = folder / f"{Predictor.load(out).validation['texts'][0].split('-')[1]}.txt"
     held.write_text(held.read_text().replace("says", "writes"))  # the same file name, another text
+    code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(out))
+    assert code == 2 and stdout == "" and err.count("\n") == 1, err
+    assert "--recompute keeps rows of the stored validation's excerpts, but the texts hold their ids, not all" in err
     code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--out", str(out))
     assert code == 0, err
-    assert "the texts hold the ids of the stored validation's excerpts but not all of their text" in err
+    assert "not the stored validation's excerpts: the texts hold their ids, not all of their text" in err
     assert "again on 6 excerpts of documents it was not fitted on" in stdout
 
 
@@ -281,13 +296,17 @@ def test_a_stored_validation_is_read_again_only_where_ids_and_texts_match():
     texts = [Text(f"code-doc{index}-256-0", 256, f"text of document {index}", f"doc{index}") for index in range(3)]
     stored = {"texts": [texts[2].id, texts[0].id], "budgets": [40]}
     older = SimpleNamespace(validation=stored)  # validated before digests were stored: ids decide
-    assert stored_excerpts(older, texts) == [texts[2], texts[0]]
+    assert stored_excerpts(older, texts) == ([texts[2], texts[0]], "")
     digests = [digest(texts[2].text), digest(texts[0].text)]
     current = SimpleNamespace(validation={**stored, "digests": digests})
-    assert stored_excerpts(current, texts) == [texts[2], texts[0]]
+    assert stored_excerpts(current, texts) == ([texts[2], texts[0]], "")
     edited = [texts[0], texts[1], texts[2]._replace(text="the same file name, another text")]
-    assert stored_excerpts(current, edited) == [] and stored_excerpts(older, edited) != []
-    assert stored_excerpts(current, texts[:2]) == [] and stored_excerpts(SimpleNamespace(validation=None), texts) == []
+    assert stored_excerpts(current, edited) == ([], "the texts hold their ids, not all of their text (edited files, "
+                                                "or a tokenizer that decodes otherwise)")  # fmt: skip
+    assert stored_excerpts(older, edited)[0] != []
+    assert stored_excerpts(current, texts[:2]) == ([], "the texts lack some of them (another --length, --domain or "
+                                                   "--texts?)")  # fmt: skip
+    assert stored_excerpts(SimpleNamespace(validation=None), texts) == ([], "the predictor has no stored validation")
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-long", "gemma3-270m"])
@@ -307,7 +326,7 @@ def test_the_shipped_predictors_find_the_excerpts_of_their_stored_validation(tok
     parts = predictor.validation["texts"][0].split("-")  # <domain>-<document>-<length>[-k]
     length = next(part for part in parts[2:] if part.isdigit())
     texts = calibration_texts(tokenizer, "essays" if parts[0] == "essay" else parts[0], int(length))
-    found = stored_excerpts(predictor, texts)
+    found, _ = stored_excerpts(predictor, texts)
     assert [text.id for text in found] == predictor.validation["texts"] and len(predictor.validation["digests"]) == 6
 
 

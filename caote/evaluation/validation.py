@@ -53,7 +53,8 @@ def validate(
     model, tokenizer, predictor_path, texts: list, budgets, bar=None, policies=LEARNED + CANDIDATES, kept=None
 ) -> dict:
     """KL from the full cache of `LEARNED` (with the predictor at ``predictor_path``) and `CANDIDATES` at every
-    budget on ``texts``, and the verdict (`judge`). ``bar``: a progress bar advanced once per (policy, budget).
+    budget on ``texts``, and the verdict (`judge`). ``bar``: a progress bar advanced once per excerpt, policy and
+    budget.
     ``policies``: those to run; ``kept``: the rows (policy -> budget -> per-excerpt KL) of a validation stored on
     the same texts and budgets, taken for the others as they are (the result lists the ``recomputed`` ones)."""
     runs = [(policy, budget) for policy in policies for budget in budgets]
@@ -131,10 +132,10 @@ def validation_table(validation: dict) -> str:
     kl = validation["kl"]
     lowest = {budget: min(mean(kl[policy][budget]) for policy in kl) for budget in budgets}
     recomputed = validation.get("recomputed")
-    kept = "" if recomputed is None else f"; rows of {', '.join(recomputed)} recomputed, the others as stored"
+    note = "" if recomputed is None else f"; rows of {', '.join(recomputed)} recomputed, the others as stored"
     lines = [
         f"validation on {len(validation['texts'])} dev excerpts of documents the fit did not read "
-        f"(mean KL from the full cache; lower is better{kept}):",
+        f"(mean KL from the full cache; lower is better{note}):",
         "| policy | " + " | ".join(f"b={budget}" for budget in budgets) + " |",
         "|---|" + "---|" * len(budgets),
     ]
