@@ -470,7 +470,8 @@ def stored_excerpts(predictor, texts: list) -> tuple[list, str]:
 def validation_plan(args: argparse.Namespace, given, budgets: list[int] | None) -> tuple[tuple[str, ...], dict | None]:
     """``(policies, kept)``: the policies the validation runs and the stored rows it keeps for the others (None:
     it runs every policy). With ``--recompute``, those named and any the stored validation lacks; a `UsageError`
-    when ``given`` has no stored validation or ``budgets`` (``--validation-budgets``) are not its own."""
+    when ``given`` has no stored validation, one without excerpt digests, or ``budgets`` (``--validation-budgets``)
+    other than its own."""
     from caote.evaluation.validation import CANDIDATES, LEARNED
 
     if args.recompute is None:

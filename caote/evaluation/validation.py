@@ -54,9 +54,9 @@ def validate(
 ) -> dict:
     """KL from the full cache of `LEARNED` (with the predictor at ``predictor_path``) and `CANDIDATES` at every
     budget on ``texts``, and the verdict (`judge`). ``bar``: a progress bar advanced once per excerpt, policy and
-    budget.
-    ``policies``: those to run; ``kept``: the rows (policy -> budget -> per-excerpt KL) of a validation stored on
-    the same texts and budgets, taken for the others as they are (the result lists the ``recomputed`` ones)."""
+    budget. ``policies``: those to run; ``kept``: the rows (policy -> budget -> per-excerpt KL) of a validation
+    stored on the same texts and budgets, taken for the others as they are (the result lists the ``recomputed``
+    ones)."""
     runs = [(policy, budget) for policy in policies for budget in budgets]
     fresh: dict[str, dict[str, list[float]]] = {policy: {str(budget): [] for budget in budgets} for policy, _ in runs}
     for text in texts:
