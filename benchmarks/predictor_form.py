@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -47,20 +48,26 @@ from caote.predictor import Predictor
 
 MAPS = ("oracle", "shipped", "ridge", "mlp", "h2o")
 TRAINING_FREE = ("h2o+caote", "tova+caote", "snapkv+caote", "streamingllm")  # the gap is measured from their best
-KL_POLICIES = (*TRAINING_FREE, "learned+caote", "oracle")
+KL_POLICIES = ("h2o+caote", "tova+caote", "streamingllm", "oracle")
 LEAST_CANDIDATES = 64  # an eviction with fewer candidates in a head adds no row there
+# a training text adds the rows of every second eviction of each layer (consecutive evictions share most candidates;
+# every row of a 4k text at budget 1024 over 30 layers is 1.3 GB)
+TRAIN_EVERY = 2
 
 
 class RowRecorder(Collector):
     """A `Collector` that keeps each eviction's rows themselves (``rows[(layer, head)]``: ``(text, x, y)``) instead
-    of their normal equations, for the ``layers`` asked; evictions after the last block (no future) are skipped."""
+    of their normal equations, for the ``layers`` asked and every ``every``-th eviction of each; evictions after the
+    last block (no future) are skipped."""
 
-    def __init__(self, rows: dict, layers: set[int], text: int, *args, **kwargs):
+    def __init__(self, rows: dict, layers: set[int], text: int, every: int, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rows, self.layers, self.text = rows, layers, text
+        self.rows, self.layers, self.text, self.every = rows, layers, text, every
+        self.evictions: Counter = Counter()
 
     def record(self, index: int, features: torch.Tensor, target: torch.Tensor, candidates: torch.Tensor) -> None:
-        if index not in self.layers:
+        self.evictions[index] += 1
+        if index not in self.layers or self.evictions[index] % self.every:
             return
         for batch in range(features.shape[0]):
             for head in range(features.shape[1]):
@@ -72,18 +79,27 @@ class RowRecorder(Collector):
                 self.rows.setdefault((index, head), []).append((self.text, x, y))
 
 
-def record_rows(model, predictor, texts: list, layers: set[int], block: int = 128) -> dict:
-    """Rows of every ``(text number, token ids, budgets)`` of ``texts`` under ``learned+caote`` with ``predictor``."""
+def record_rows(model, predictor, texts: list, block: int = 128) -> dict:
+    """Rows of every ``(text number, token ids, budgets, layers, every)`` of ``texts`` under ``learned+caote`` with
+    ``predictor`` (`RowRecorder`)."""
     rows: dict = {}
-    passes = [(number, ids, budget) for number, ids, budgets in texts for budget in budgets if budget < ids.shape[1]]
+    passes = [(*text[:2], budget, *text[3:]) for text in texts for budget in text[2] if budget < text[1].shape[1]]
     reference, referred = None, None
     width = predictor.weights.shape[-1]
-    for number, ids, budget in tqdm(passes, desc="passes", unit="pass"):
+    for number, ids, budget, layers, every in tqdm(passes, desc="passes", unit="pass"):
         if referred != number:
             reference, referred = reference_pass(model, ids, block, future=True, states=set(), scored_tail=1), number
         settings = rollout_settings(budget, block_size=block)
         recorder = RowRecorder(
-            rows, layers, number, predictor.groups, width, settings.recent, settings.sink_tokens, rollout=predictor
+            rows,
+            layers,
+            number,
+            every,
+            predictor.groups,
+            width,
+            settings.recent,
+            settings.sink_tokens,
+            rollout=predictor,
         )
         with ExitStack() as stack, torch.no_grad():
             cache = stack.enter_context(EvictionCache(model, settings, future=reference.future, stand_in=recorder))
@@ -277,8 +293,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--train", default="code:4096:1024:9", help="domain:length:budgets:count (dev split)")
     parser.add_argument("--test", default="code:4096:1024:4", help="domain:length:budgets:count (dev split)")
-    parser.add_argument("--layers", default=None, help="comma-separated evicting layers (default: all)")
-    parser.add_argument("--kl-policies", default=",".join(KL_POLICIES), help="beside the maps (with every layer)")
+    parser.add_argument("--layers", default=None, help="the layers scored by evicted mass (default: all evicting)")
+    parser.add_argument("--kl-policies", default=",".join(KL_POLICIES), help="run beside the maps for KL")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -289,10 +305,11 @@ def main() -> None:
     test_pool, test_budgets, test_count = texts_of(tokenizer, args.test)
     train, test = choose(train_pool, train_count, test_pool, test_count)
     predictor = Predictor.for_model(model, budget=min(test_budgets))
-    layers = {int(layer) for layer in args.layers.split(",")} if args.layers else set(evicting_layers(model))
+    every_layer = set(evicting_layers(model))
+    scored = {int(layer) for layer in args.layers.split(",")} if args.layers else every_layer
     texts = [(number, tokenizer(text.text, return_tensors="pt").input_ids) for number, text in enumerate(train + test)]
-    budgets = [train_budgets] * len(train) + [test_budgets] * len(test)
-    rows = record_rows(model, predictor, [(n, ids, b) for (n, ids), b in zip(texts, budgets)], layers)
+    plan = [(train_budgets, every_layer, TRAIN_EVERY)] * len(train) + [(test_budgets, scored, 1)] * len(test)
+    rows = record_rows(model, predictor, [(n, ids, *how) for (n, ids), how in zip(texts, plan)])
     maps = fit_maps(rows, predictor, set(range(len(train))))
     results = compare(rows, maps, set(range(len(train))))
     relative = summary(results)
@@ -301,12 +318,11 @@ def main() -> None:
     print(" | ".join(f"{name} {value:.3f}" for name, value in relative.items()))
     record = {"model": args.model, "train": [t.id for t in train], "test": [t.id for t in test], "args": vars(args)}
     record.update(train_budgets=train_budgets, test_budgets=test_budgets, summary=relative, per_head=results)
-    if layers == set(evicting_layers(model)):  # a stand-in needs a map for every evicting layer
-        del rows
-        kl_texts = [(text.id, ids) for text, (_, ids) in zip(test, texts[len(train) :])]
-        policies = tuple(args.kl_policies.split(","))
-        record["kl"] = kl_rows(model, maps, predictor.groups, kl_texts, min(test_budgets), policies)
-        print(kl_table(record["kl"]))
+    del rows
+    kl_texts = [(text.id, ids) for text, (_, ids) in zip(test, texts[len(train) :])]
+    policies = tuple(args.kl_policies.split(","))
+    record["kl"] = kl_rows(model, maps, predictor.groups, kl_texts, min(test_budgets), policies)
+    print(kl_table(record["kl"]))
     if args.out:
         args.out.write_text(json.dumps(record, indent=1, default=str) + "\n")
 

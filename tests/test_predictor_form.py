@@ -36,7 +36,7 @@ def test_rows_come_from_the_asked_layers_and_the_oracle_evicts_least(probe):
     model = tiny_model("llama")
     predictor = Predictor.for_model(model)
     texts = [(number, random_ids(192, seed=number, vocab=model.config.vocab_size), [96]) for number in range(4)]
-    rows = probe.record_rows(model, predictor, texts, {0, 1}, block=BLOCK)
+    rows = probe.record_rows(model, predictor, [(*text, {0, 1}, 1) for text in texts], block=BLOCK)
     assert {layer for layer, _ in rows} == {0, 1}
     for head_rows in rows.values():
         assert {text for text, _, _ in head_rows} == {0, 1, 2, 3}
@@ -56,7 +56,10 @@ def test_the_shipped_map_as_a_stand_in_evicts_as_the_learned_policy_does(probe):
     model = tiny_model("llama")
     predictor = Predictor.for_model(model)
     ids = random_ids(192, seed=5, vocab=model.config.vocab_size)
-    rows = probe.record_rows(model, predictor, [(0, ids, [96]), (1, ids, [96])], {0, 1}, block=BLOCK)
+    rows = probe.record_rows(model, predictor, [(0, ids, [96], {0, 1}, 2), (1, ids, [96], {0, 1}, 1)], block=BLOCK)
+    for head_rows in rows.values():  # text 0 adds every second eviction's rows, text 1 every one (the same text)
+        evictions = [sum(1 for text, _, _ in head_rows if text == number) for number in (0, 1)]
+        assert evictions[0] == evictions[1] // 2 > 0
     maps = probe.fit_maps(rows, predictor, {0}, epochs=1)
     kl = probe.kl_rows(model, maps, predictor.groups, [("random", ids)], 64, ("learned+caote", "oracle"), block=BLOCK)
     by_run = {row["run"]: row["kl"] for row in kl}
