@@ -1,7 +1,7 @@
 """Would another form of predictor rank the future better? The linear map beside a small MLP on the same features.
 
-python benchmarks/predictor_form.py --model smollm2-135m --train code:4096:1024:9 --test code:4096:1024:4 \
-    --layers 1,5,10,15,20,25,29 --out benchmarks/results/predictor_form_smollm2-135m.json
+python benchmarks/predictor_form.py --model smollm2-135m --layers 1,5,10,15,20,25,29 \
+    --out benchmarks/results/predictor-form-2026-12-07/predictor_form_smollm2-135m.json
 
 Rows come from ``learned+caote`` passes with the model's shipped predictor, so the candidates are those the policy
 meets: after every prompt block, per evicting layer and KV head, each candidate's features (`caote.learned`) and
@@ -14,9 +14,11 @@ rows, two maps are fitted with calibration's row weights (`mass_weights`, power 
 
 On each test eviction a map ranks the candidates and would evict the ``block`` lowest (a prompt block's worth); its
 score is the future mass of those, summed over the evictions, beside the shipped map's, H2O's running sum (the first
-feature's) and the oracle's (the true mass's). The summary is each map's mass evicted beyond the oracle's, over the
-shipped map's (1: as good as the shipped map). This ranks by the predicted mass alone, as ``learned`` does; it does not
-measure KL (``learned+caote`` weighs the prediction by the values). The test texts' documents are never fitted on.
+feature's) and the oracle's (the true mass's), on the test texts' evictions of the ``--layers`` asked. The summary is
+each map's mass evicted beyond the oracle's, over the shipped map's (1: as good as the shipped map). That judges one
+eviction at a time on the shipped map's kept sets, so each map is then judged as a policy too: the KL from the full
+cache of ``learned+caote`` with the map standing in for the predictor (`mapped`), beside ``--kl-policies``. The test
+texts' documents are never fitted on. Findings: docs/learned.md, "A nonlinear map: better at ranking, worse in KL".
 """
 
 from __future__ import annotations
