@@ -126,14 +126,18 @@ def fit_ridge(train: list, validation: int) -> torch.Tensor:
         root = weights.sqrt()
         (held if text == validation else fit).add((x * root[:, None]).double(), (y * root).double())
     errors = {strength: held.squared_error(fit.solve(strength)) for strength in RIDGE_STRENGTHS}
+    strength = min(errors, key=errors.get) if held.rows else 1e-2  # calibrate's strength without held-out rows
     fit += held
-    return fit.solve(min(errors, key=errors.get)).float()
+    return fit.solve(strength).float()
 
 
 def fit_mlp(train: list, hidden: int = 128, epochs: int = 8, learning_rate: float = 1e-3):
     """An MLP fitted to each eviction's demeaned target (weighted as calibration weighs rows); returns the map."""
     features = torch.cat([x for _, x, _ in train])
-    mean, std = features.mean(0), features.std(0).clamp_min(1e-6)
+    mean, std = features.mean(0), features.std(0)
+    # a column constant over the candidates (the sink flag: sinks are never candidates) is read as 0: scaled by its
+    # std of 0 it would turn a sink's flag into an input of 1e6 and its prediction into anything
+    std = torch.where(std > 1e-6, std, torch.inf)
     net = torch.nn.Sequential(
         torch.nn.Linear(features.shape[1], hidden),
         torch.nn.GELU(),

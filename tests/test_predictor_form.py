@@ -67,3 +67,22 @@ def test_the_shipped_map_as_a_stand_in_evicts_as_the_learned_policy_does(probe):
     assert by_run["map:shipped"] == pytest.approx(by_run["learned+caote"], rel=1e-4)
     table = probe.kl_table(kl)
     assert "| map:mlp |" in table and "share of the gap" in table
+
+
+def test_the_mlp_reads_a_column_constant_in_training_as_zero(probe):
+    torch.manual_seed(0)
+    x = torch.randn(200, 4)
+    x[:, 3] = 0.0  # a sink flag: never set among the candidates
+    y = x[:, 0] - x[:, 1]
+    mlp = probe.fit_mlp([(0, x[i : i + 50], y[i : i + 50]) for i in range(0, 200, 50)], hidden=8, epochs=2)
+    flagged = x.clone()
+    flagged[:, 3] = 1.0
+    assert torch.equal(mlp(flagged), mlp(x))
+
+
+def test_the_gap_share_runs_from_the_best_training_free_policy_to_the_oracle(probe):
+    kl = {"h2o+caote": 0.05, "tova+caote": 0.07, "oracle": 0.01, "map:mlp": 0.03}
+    rows = [{"text": text, "run": run, "kl": value} for text in ("a", "b") for run, value in kl.items()]
+    table = probe.kl_table(rows)
+    assert "| map:mlp | 0.0300 | 50% |" in table and "| tova+caote | 0.0700 | -50% |" in table
+    assert "| oracle | 0.0100 | 100% |" in table and "from h2o+caote" in table
