@@ -35,13 +35,13 @@ from tqdm import tqdm
 
 from caote.cache import EvictionCache, evicting_layers
 from caote.evaluation.calibration import (
-    RIDGE_STRENGTHS,
     Collector,
     NormalEquations,
     calibration_texts,
     documents_of,
-    mass_weights,
+    ridge_strength,
     rollout_settings,
+    weighted_rows,
 )
 from caote.evaluation.lockstep import reference_pass, track
 from caote.learned import LayerPredictor
@@ -110,23 +110,15 @@ def record_rows(model, predictor, texts: list, block: int = 128) -> dict:
     return rows
 
 
-def weighted(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One eviction's features and target demeaned on calibration's row weights, and the weights."""
-    weights = mass_weights(y.double(), 1.0).float()
-    total = weights.sum()
-    return x - (weights[:, None] * x).sum(0) / total, y - (weights * y).sum() / total, weights
-
-
 def fit_ridge(train: list, validation: int) -> torch.Tensor:
     """Calibration's weighted ridge fit on ``train`` ``(text, x, y)``, the strength chosen on text ``validation``."""
     width = train[0][1].shape[-1]
     fit, held = NormalEquations.empty(width), NormalEquations.empty(width)
     for text, x, y in train:
-        x, y, weights = weighted(x, y)
+        x, y, weights = weighted_rows(x, y, 1.0)
         root = weights.sqrt()
         (held if text == validation else fit).add((x * root[:, None]).double(), (y * root).double())
-    errors = {strength: held.squared_error(fit.solve(strength)) for strength in RIDGE_STRENGTHS}
-    strength = min(errors, key=errors.get) if held.rows else 1e-2  # calibrate's strength without held-out rows
+    strength, _ = ridge_strength(fit, held)
     fit += held
     return fit.solve(strength).float()
 
@@ -146,7 +138,7 @@ def fit_mlp(train: list, hidden: int = 128, epochs: int = 8, learning_rate: floa
         torch.nn.Linear(hidden // 2, 1),
     )
     optimiser = torch.optim.AdamW(net.parameters(), lr=learning_rate, weight_decay=1e-4)
-    evictions = [(((x - mean) / std), *weighted(x, y)[1:]) for _, x, y in train]
+    evictions = [((x - mean) / std, *weighted_rows(x, y, 1.0)[1:]) for _, x, y in train]
     with torch.enable_grad():
         for _ in range(epochs):
             for index in torch.randperm(len(evictions)).tolist():
@@ -241,10 +233,10 @@ def kl_rows(model, maps: dict, groups, texts: list, budget: int, policies: tuple
     """KL from the full cache on each ``(text id, token ids)``: ``learned+caote`` predicting with each fitted map
     (``map:<name>``), and each of ``policies`` as caote runs them."""
     rows = []
+    runs = [(f"map:{name}", "learned+caote", mapped(maps, name, groups)) for name in ("shipped", "ridge", "mlp")]
+    runs += [(policy, policy, EvictionCache) for policy in policies]
     for text_id, ids in tqdm(texts, desc="KL texts", unit="text"):
         reference = reference_pass(model, ids, block, future="oracle" in policies)
-        runs = [(f"map:{name}", "learned+caote", mapped(maps, name, groups)) for name in ("shipped", "ridge", "mlp")]
-        runs += [(policy, policy, EvictionCache) for policy in policies]
         for label, policy, cache_class in runs:
             result = track(model, ids, reference, policy, budget, cache_class=cache_class)
             rows.append({"text": text_id, "run": label, "budget": budget, "kl": result["kl"]})

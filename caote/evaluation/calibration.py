@@ -56,6 +56,7 @@ from caote.rotary import rotary_inverse
 from caote.settings import CacheSettings
 
 RIDGE_STRENGTHS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+DEFAULT_STRENGTH = 1e-2  # a head without held-out rows to choose by
 # relative weights are clipped to this range before they are scaled to mean 1: it bounds how far apart two rows of a
 # group can weigh (400x), which limits how much of a fit the few heaviest tokens can decide
 MASS_WEIGHT_RANGE = (0.05, 20.0)
@@ -135,6 +136,25 @@ def mass_weights(target: torch.Tensor, power: float) -> torch.Tensor:
     return weights / weights.mean()
 
 
+def weighted_rows(x: torch.Tensor, y: torch.Tensor, power: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One group's features ``(N, F)`` and targets ``(N,)`` demeaned on their `mass_weights` to ``power`` (weighted
+    means), and those weights (in the targets' dtype)."""
+    weights = mass_weights(y.double(), power).to(y.dtype)
+    x_mean = (weights[:, None] * x).sum(0) / weights.sum()
+    y_mean = (weights * y).sum() / weights.sum()
+    return x - x_mean, y - y_mean, weights
+
+
+def ridge_strength(fit: NormalEquations, held: NormalEquations | None) -> tuple[float, float | None]:
+    """The strength of `RIDGE_STRENGTHS` whose fit on ``fit`` has the least squared error on ``held``, and that
+    error; `DEFAULT_STRENGTH` and None when there are no held-out rows."""
+    if held is None or not held.rows:
+        return DEFAULT_STRENGTH, None
+    errors = {strength: held.squared_error(fit.solve(strength)) for strength in RIDGE_STRENGTHS}
+    strength = min(errors, key=errors.get)
+    return strength, errors[strength]
+
+
 @dataclass
 class Collector:
     """Stands in for a predictor during calibration: at each eviction it records every candidate's features and
@@ -164,14 +184,12 @@ class Collector:
                 if int(chosen.sum()) < 2:
                     continue
                 x, y = features[batch, head][chosen], target[batch, head][chosen]
-                weights = mass_weights(y, self.mass_weight)
-                x_mean = (weights[:, None] * x).sum(0) / weights.sum()
-                y_mean = (weights * y).sum() / weights.sum()
+                x, y, weights = weighted_rows(x, y, self.mass_weight)
                 root = weights.sqrt()
                 key = (self.part, index, head)
                 if key not in self.equations:
                     self.equations[key] = NormalEquations.empty(self.width)
-                self.equations[key].add((x - x_mean) * root[:, None], (y - y_mean) * root)
+                self.equations[key].add(x * root[:, None], y * root)
 
 
 class CollectingLayer(LayerPredictor):
@@ -430,13 +448,10 @@ def _fit(model, collectors, groups, width, texts, recipe, began, model_name, rol
             held = totals.get(("held_out", layer, head))
             if fit is None:
                 continue
-            if held is not None and held.rows:
-                errors = {strength: held.squared_error(fit.solve(strength)) for strength in RIDGE_STRENGTHS}
-                strength = min(errors, key=errors.get)
-                held_out_error.append(errors[strength])
+            strength, error = ridge_strength(fit, held)
+            if error is not None:
+                held_out_error.append(error)
                 baseline_error.append(held.yty / held.rows)
-            else:
-                strength = 1e-2
             every = NormalEquations.empty(width)
             every += fit
             if held is not None:
