@@ -1,5 +1,6 @@
 """Command-line values shared by every subcommand: the one `UsageError`, the parser class, `add_subcommand`, the
-number parsers and the warning that torch's threads will share cores.
+number parsers, the checks of a ``--model`` and of a predictor file given for it (both before the model loads) and
+the warning that torch's threads will share cores.
 
 Lower layers raise a plain `ValueError`; a subcommand's command-line module turns the ones that come from a bad
 argument into `UsageError`, which `caote.cli.main` reports in one line with exit code 2.
@@ -12,6 +13,7 @@ import functools
 import math
 import os
 import sys
+from pathlib import Path
 
 
 class UsageError(ValueError):
@@ -125,6 +127,38 @@ def memory_limits(text: str) -> dict:
     if not limits:
         raise argparse.ArgumentTypeError(f"no DEVICE=SIZE item in {text!r}")
     return limits
+
+
+def check_model(name: str) -> None:
+    """A `UsageError` for a ``--model`` that names no model (a missing directory, a file, a folder without
+    config.json, a malformed hub id), before torch is imported; a hub id that cannot be fetched stays a runtime
+    error (exit 1)."""
+    from caote.models import BUNDLED, check_model_name  # torch-free at import
+
+    if name in BUNDLED:
+        return
+    try:
+        check_model_name(name)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def check_predictor_file(path: str | Path, model: str, option: str = "--predictor"):
+    """The predictor file ``path`` given with ``option`` for the model named ``model``, read and checked before the
+    model loads (`caote.predictor.Predictor.check_file` against `caote.models.model_identity`): a file that is not a
+    predictor, was calibrated for another model (its fingerprint against a bundled model's), is not shaped as the
+    model's config says or holds NaN or infinite weights is a `UsageError` naming ``option``. What only the loaded
+    model tells (another local model of the same shapes) is checked once it loads (`Predictor.for_model`)."""
+    # start-up: the predictor imports torch, the model's config transformers, which other arguments do not need
+    from caote.models import model_identity
+    from caote.predictor import Predictor
+
+    try:
+        Predictor.load(path)  # a file that is no predictor is refused before the model's config is read
+        config, fingerprint = model_identity(model)
+        return Predictor.check_file(path, model, config, fingerprint)
+    except ValueError as error:
+        raise UsageError(f"{option}: {error}") from None
 
 
 def warn_if_threads_share_cores(threads: int | None) -> None:

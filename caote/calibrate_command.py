@@ -13,12 +13,13 @@ from pathlib import Path
 from caote.arguments import (
     UsageError,
     add_subcommand,
+    check_model,
+    check_predictor_file,
     non_negative_int,
     parse_int_list,
     positive_int,
     warn_if_threads_share_cores,
 )
-from caote.commands import check_model
 from caote.defaults import (
     CALIBRATION_BUDGETS,
     CALIBRATION_LENGTH,
@@ -251,8 +252,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | No
     return budgets, validation, groups
 
 
-def load_predictor(path: Path, option: str, groups: list[str] | None = None):
-    """The predictor at ``path`` (a `UsageError` when unreadable or, given ``groups``, of other features)."""
+def load_predictor(path: Path, option: str, model: str, groups: list[str] | None = None):
+    """The predictor at ``path`` given with ``option`` for ``model``: a `UsageError` when unreadable, of other features
+    than ``groups`` (when given) or unfit for the model before it loads (`caote.arguments.check_predictor_file`)."""
     from caote.predictor import Predictor
 
     try:
@@ -261,7 +263,20 @@ def load_predictor(path: Path, option: str, groups: list[str] | None = None):
         raise UsageError(f"{option}: {error}") from None
     if groups is not None and set(predictor.groups) != set(groups):
         raise UsageError(f"{option} has features {','.join(predictor.groups)}, not --features {','.join(groups)}")
-    return predictor
+    return check_predictor_file(path, model, option)
+
+
+def check_loaded(path: Path | None, option: str, model) -> None:
+    """A `UsageError` when the predictor at ``path`` does not fit the loaded ``model`` (`Predictor.for_model`): what
+    its name did not tell before it loaded (another local model of the same shapes)."""
+    from caote.predictor import Predictor
+
+    if path is None:
+        return
+    try:
+        Predictor.for_model(model, path)
+    except ValueError as error:
+        raise UsageError(f"{option}: {error}") from None
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -269,6 +284,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     what it cost and what validation found."""
     budgets, validation_budgets, groups = check_arguments(args)
     check_model(args.model)
+    rollout = (
+        None
+        if args.rollout_predictor is None
+        else load_predictor(args.rollout_predictor, "--rollout-predictor", args.model, groups)
+    )
+    given = None if args.validate is None else load_predictor(args.validate, "--validate", args.model)
     # start-up: calibration imports torch and transformers, which argument errors do not need
     from caote.evaluation.calibration import calibration_length, check_mass_weight, rollout_settings
     from caote.evaluation.lockstep import cell_settings
@@ -286,12 +307,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 cell_settings(policy, budget)
     except ValueError as error:
         raise UsageError(f"--validation-budgets: {error}") from None
-    rollout = (
-        None
-        if args.rollout_predictor is None
-        else load_predictor(args.rollout_predictor, "--rollout-predictor", groups)
-    )
-    given = None if args.validate is None else load_predictor(args.validate, "--validate")
     policies, kept = validation_plan(args, given, validation_budgets)
     if args.threads is not None:
         import torch
@@ -300,6 +315,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from caote.models import load_model
 
     model, tokenizer = load_model(args.model)
+    check_loaded(args.rollout_predictor, "--rollout-predictor", model)
+    check_loaded(args.validate, "--validate", model)
     length = args.length or calibration_length(model)
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is not None and length > positions:

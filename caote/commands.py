@@ -17,11 +17,14 @@ from pathlib import Path
 from caote.arguments import (
     UsageError,
     add_subcommand,
+    check_model,
+    check_predictor_file,
     memory_limits,
     non_negative_int,
     positive_int,
     probability,
     temperature,
+    warn_if_threads_share_cores,
 )
 from caote.defaults import AUTO_POLICY, DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY, DEFAULT_SEED
 
@@ -167,6 +170,9 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute the decode steps' CAOTE errors in one torch.compile kernel: faster, equal to the exact default "
         "up to float32 rounding; the first steps compile (needs a C++ compiler on a CPU)",
     )
+    parser.add_argument(
+        "--threads", type=positive_int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)"
+    )
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,20 +244,6 @@ def format_stats(stats) -> str:
     )
 
 
-def check_model(name: str) -> None:
-    """A `UsageError` for a ``--model`` that names no model (a missing directory, a file, a folder without
-    config.json, a malformed hub id), before torch is imported; a hub id that cannot be fetched stays a runtime
-    error (exit 1)."""
-    from caote.models import BUNDLED, check_model_name  # torch-free at import
-
-    if name in BUNDLED:
-        return
-    try:
-        check_model_name(name)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-
-
 def sampling_options(args: argparse.Namespace) -> dict:
     """The ``model.generate`` options of ``--temperature`` / ``--top-p``: sampling when the temperature is above 0 or
     a top-p is given, else none (greedy decoding)."""
@@ -280,10 +272,6 @@ def check_settings(args: argparse.Namespace):
             predictor=None if predictor is None else str(predictor),
             compile_decode=args.compile_decode,
         )
-        if settings.predictor is not None:  # readable, of this feature set: known before the model loads
-            from caote.predictor import Predictor
-
-            Predictor.load(settings.predictor)
     except ValueError as error:
         raise UsageError(str(error)) from None
     if settings.policy.evicts and settings.policy.base.hindsight:
@@ -311,6 +299,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.max_memory is not None and args.device_map is None:
         raise UsageError("--max-memory needs --device-map (e.g. --device-map auto)")
+    if settings.predictor is not None:  # readable, finite, of this feature set and model: known before it loads
+        check_predictor_file(settings.predictor, args.model)
+    if args.threads is not None:
+        import torch  # start-up: imported by the settings already
+
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="caote-offload-") as offload_folder:
         model, tokenizer = load_model(
             args.model,
@@ -344,6 +338,7 @@ def _answer(args, settings, sampling: dict, text, model, tokenizer) -> int:
         announce_predictor(model, settings)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = generate_checked(model, tokenizer, input_ids, settings, max_new_tokens, streamer=streamer, **options)

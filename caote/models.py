@@ -8,7 +8,9 @@ safetensors copy (about 540 MB / 1.1 GB) under the user cache directory (``$CAOT
 
 Names are checked before anything is downloaded or loaded: a path that does not exist is a one-line `ValueError`,
 and a hub id that is not in the local Hugging Face cache fails at once when the hub cannot be reached (offline mode,
-``HF_HUB_OFFLINE=1``, or no network) instead of after a minute of retries.
+``HF_HUB_OFFLINE=1``, or no network) instead of after a minute of retries. What a predictor file given for a model is
+checked against before the model loads, its config and (a bundled model's) fingerprint, is read without its weights
+(`model_identity`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 BUNDLED_MODEL = "smollm2-135m"
@@ -47,6 +50,8 @@ class BundledModel:
     available: Callable[[], bool]  # whether its package is installed
     gguf: Callable[[Path], Path]  # the GGUF file, written into the given scratch folder if it must be assembled
     terms: str = ""  # the licence terms its weights come under, when not the permissive default
+    # the GGUF file where it ships whole (None: it must be assembled), whose header gives the config before conversion
+    whole_gguf: Callable[[], Path | None] = lambda: None
 
 
 def cache_dir() -> Path:
@@ -79,6 +84,7 @@ SMOLLM2 = BundledModel(
     seconds=25,
     available=lambda: bundled_gguf_path() is not None,
     gguf=lambda scratch: bundled_gguf_path(),
+    whole_gguf=bundled_gguf_path,
 )
 # Gemma-3 270M (base): 18 layers, 5 sliding-window (512) layers per global one, one KV head of 256, a 262k vocabulary
 GEMMA3 = BundledModel(
@@ -290,6 +296,50 @@ def check_model_name(name: str) -> dict:
             "directory"
         )
     return {}
+
+
+class ModelIdentity(NamedTuple):
+    """What is known of a model before its weights load (`model_identity`): its transformers config and its
+    fingerprint (`caote.predictor.model_fingerprint`), each None where it cannot be had without loading."""
+
+    config: object | None
+    fingerprint: str | None
+
+
+def model_identity(name: str) -> ModelIdentity:
+    """``name``'s config (`model_config`) and, for a bundled model, its fingerprint (that of the predictor it ships,
+    `caote.predictor.shipped_fingerprint`), both without loading its weights: what a predictor file given for it is
+    checked against before it loads (`caote.arguments.check_predictor_file`)."""
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    fingerprint = None
+    if name in BUNDLED:
+        from caote.predictor import shipped_fingerprint  # start-up: torch, which a model's name does not need
+
+        fingerprint = shipped_fingerprint(name)
+    return ModelIdentity(model_config(name), fingerprint)
+
+
+def model_config(name: str):
+    """``name``'s transformers config, read without its weights: a local folder's, a bundled model's converted copy's
+    (before its first use, the header of its GGUF file where that ships whole), a hub id's in the local cache; None
+    where it cannot be had so (a bundled model whose GGUF must be assembled, a hub id not cached) or does not parse
+    (loading the model then says why)."""
+    from transformers import AutoConfig
+
+    bundled = BUNDLED.get(name)
+    try:
+        if bundled is not None:
+            if _is_saved_model(cache_dir() / bundled.copy):
+                return AutoConfig.from_pretrained(cache_dir() / bundled.copy)
+            gguf = bundled.whole_gguf()
+            return None if gguf is None else AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        path = Path(name).expanduser()
+        if path.is_dir():
+            return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except Exception:  # a config that cannot be read so: the model is checked once it loads, or refused there
+        return None
 
 
 def _torch_dtype(dtype):

@@ -5,8 +5,9 @@ A file is a safetensors tensor ``weights`` ``(L, H_kv, F)`` whose metadata name 
 fingerprint of its architecture and weights), the calibration texts and the recipe (``caote calibrate``,
 `caote.evaluation.calibration`). `Predictor.for_model` finds the committed one of a model (`PREDICTOR_DIR`; a model
 may ship one per range of budgets, `Predictor.min_budget`) or reads one given, and refuses in one line a file that
-cannot be read, belongs to another model or does not fit it. The verdict of the validation
-(`caote.evaluation.validation`) travels in the file: `Predictor.helps` is what ``auto`` reads.
+cannot be read, belongs to another model or does not fit it; `Predictor.check_file` does so before the model loads,
+from its config and (a bundled model's) fingerprint, where the command line has only the model's name. The verdict
+of the validation (`caote.evaluation.validation`) travels in the file: `Predictor.helps` is what ``auto`` reads.
 """
 
 from __future__ import annotations
@@ -47,6 +48,26 @@ def model_fingerprint(model: nn.Module) -> str:
         f"{embedding.abs().mean().item():.3g}",
     ]
     return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:16]
+
+
+def shipped_fingerprint(model: str) -> str | None:
+    """The fingerprint of the model named ``model`` (a bundled model's name), as the predictors shipped for it record
+    it, without loading it; None when none ships for that name or they disagree."""
+    found = {
+        header.get("fingerprint")
+        for header in map(_header, sorted(PREDICTOR_DIR.glob("*.safetensors")))
+        if header.get("model") == model
+    }
+    return found.pop() if len(found) == 1 else None
+
+
+def config_shape(config, groups: tuple[str, ...]) -> tuple[int, int, int]:
+    """The ``(layers, KV heads, features)`` of a predictor over ``groups`` for the model of transformers ``config``,
+    from the config alone (what `Predictor.check_fits` reads from the loaded model)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, kv_heads, len(feature_names(groups, head_dim))
 
 
 def _header(path: Path) -> dict:
@@ -123,6 +144,11 @@ class Predictor:
             raise ValueError(
                 f"cannot read predictor {path!r}: {reason}; write one with: caote calibrate --model <model> --out FILE"
             ) from None
+        if "feature_set" not in metadata:  # a safetensors file, not a predictor
+            raise ValueError(
+                f"predictor {path!r} holds no predictor metadata (feature set, model, fingerprint): not written by "
+                "caote calibrate; write one with: caote calibrate --model <model> --out FILE"
+            )
         missing = {"groups", "model", "fingerprint", "texts", "details"} - set(metadata)
         if missing and metadata.get("feature_set") == FEATURE_SET:
             raise ValueError(f"predictor {path!r} lacks {', '.join(sorted(missing))}: not written by caote calibrate")
@@ -203,16 +229,43 @@ class Predictor:
         budgets from 1024"`` for one meant for large budgets only."""
         return f"shipped for {self.model!r}" + (f" at budgets from {self.min_budget}" if self.min_budget else "")
 
+    @classmethod
+    def check_file(cls, path: str | Path, model: str, config=None, fingerprint: str | None = None) -> Predictor:
+        """The predictor at ``path`` (`load`) checked for the model named ``model`` before it loads, from the file
+        alone: refused in one line when it was calibrated for another model (``fingerprint``: the model's, where it
+        is known before loading, `shipped_fingerprint`), its weights are not shaped as ``config`` (the model's
+        transformers config) says, or they are NaN or infinite. ``config`` or ``fingerprint`` None: not known before
+        the model loads; `for_model` checks the loaded model."""
+        predictor = cls.load(path)
+        source = repr(str(path))
+        if fingerprint is not None and predictor.fingerprint != fingerprint:
+            raise ValueError(
+                f"predictor {source} was calibrated for {predictor.model!r}, not {model!r}; calibrate one with: "
+                f"caote calibrate --model {model} --out FILE"
+            )
+        want = None if config is None else config_shape(config, predictor.groups)
+        return predictor._check_weights(want, f"{source} (calibrated for {predictor.model!r})", model)
+
     def check_fits(self, model: nn.Module, source: str) -> Predictor:
         """This predictor, refused in one line unless its weights are finite and shaped as ``model``'s (layers, KV
         heads, features): a file edited or truncated by hand would otherwise fail inside `generate`."""
         layers = model.get_decoder().layers
         features = len(feature_names(self.groups, layers[0].self_attn.head_dim))
-        want = (len(layers), model.config.num_key_value_heads, features)
-        if tuple(self.weights.shape) != want:
+        return self._check_weights((len(layers), model.config.num_key_value_heads, features), source)
+
+    def _check_weights(self, want: tuple[int, int, int] | None, source: str, model: str | None = None) -> Predictor:
+        """This predictor, refused in one line unless its weights are finite and (``want`` not None) of shape ``want``,
+        the (layers, KV heads, features) of ``model`` (None: the loaded model at hand)."""
+        if want is not None and tuple(self.weights.shape) != want:
+            shape = tuple(self.weights.shape)
+            expected = (
+                f"this model's (layers, KV heads, features) {want}"
+                if model is None
+                else f"the (layers, KV heads, features) {want} of {model!r}"
+            )
             raise ValueError(
-                f"predictor {source} holds weights of shape {tuple(self.weights.shape)}, not this model's (layers, KV "
-                f"heads, features) {want}: calibrate one with: caote calibrate --model <this model> --out FILE"
+                f"predictor {source} holds weights of shape {shape}, not {expected}: calibrate one with: caote "
+                f"calibrate --model {'<this model>' if model is None else model} --out FILE"
             )
         if not bool(torch.isfinite(self.weights).all()):
             raise ValueError(f"predictor {source} holds NaN or infinite weights: calibrate it again (caote calibrate)")

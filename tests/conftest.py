@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from caote.testing import tiny_model
 
-__all__ = ["RandomIds", "greedy", "load_script", "needs_compiler", "random_ids", "tiny_model"]
+__all__ = ["RandomIds", "greedy", "load_as", "load_script", "needs_compiler", "random_ids", "tiny_model"]
 
 BLOCK = 32
 
@@ -81,6 +81,18 @@ def llama():
 @pytest.fixture(scope="session")
 def qwen3():
     return tiny_model("qwen3")
+
+
+def load_as(monkeypatch, model, tokenizer) -> None:
+    """Every command loads ``model`` and ``tokenizer`` whatever its ``--model`` names (`caote.models.load_model`), and
+    checks a predictor file before loading against ``model``'s config and fingerprint
+    (`caote.models.model_identity`), as it would for the model named."""
+    from caote.models import ModelIdentity
+    from caote.predictor import model_fingerprint
+
+    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (model, tokenizer))
+    identity = ModelIdentity(model.config, model_fingerprint(model))
+    monkeypatch.setattr("caote.models.model_identity", lambda name: identity)
 
 
 def load_script(name: str):

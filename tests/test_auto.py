@@ -11,7 +11,7 @@ from statistics import mean
 
 import pytest
 import torch
-from conftest import RandomIds, greedy, random_ids, tiny_model
+from conftest import RandomIds, greedy, load_as, random_ids, tiny_model
 
 import caote
 from caote import predictor as predictor_files
@@ -195,7 +195,7 @@ def vocab_model(tokenizer):
 def test_caote_generate_prints_the_verdict_and_names_both_policies(
     vocab_model, tokenizer, tmp_path, capsys, monkeypatch, verdict, resolved
 ):
-    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (vocab_model, tokenizer))
+    load_as(monkeypatch, vocab_model, tokenizer)
     path = predictor_file(vocab_model, tmp_path, verdict)
     code = main(["generate", "hello there", "--no-chat", "--max-new-tokens", "2", "--stats", "--predictor", path])
     err = capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import load_as
 from test_cli import run_main
 
 from caote.evaluation.calibration import calibration_length, default_count
@@ -104,7 +105,7 @@ def folder_of_texts(tmp_path, documents: int = 4, lines: int = 120):
 def tiny_calibration(monkeypatch, tokenizer):
     """`caote calibrate` on a tiny random Llama (256 positions) with the bundled tokenizer."""
     model = tiny_model("llama", vocab_size=49152, max_position_embeddings=256)
-    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (model, tokenizer))
+    load_as(monkeypatch, model, tokenizer)
     return model
 
 
@@ -112,7 +113,7 @@ def tiny_calibration(monkeypatch, tokenizer):
 def roomy_calibration(monkeypatch, tokenizer):
     """`caote calibrate` on a tiny random Llama with 1,024 positions: room for excerpts 4x as long as 128 tokens."""
     model = tiny_model("llama", vocab_size=49152, max_position_embeddings=1024)
-    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (model, tokenizer))
+    load_as(monkeypatch, model, tokenizer)
     return model
 
 

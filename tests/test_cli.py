@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import needs_compiler
+from conftest import load_as, needs_compiler, tiny_model
 
 from caote import generate as caote_generate
 from caote.cli import build_parser, main
@@ -346,7 +346,7 @@ def tiny_loaded_model(monkeypatch, tokenizer):
     from caote.testing import tiny_model
 
     model = tiny_model("llama", vocab_size=49152, max_position_embeddings=256)
-    monkeypatch.setattr("caote.models.load_model", lambda *args, **kwargs: (model, tokenizer))
+    load_as(monkeypatch, model, tokenizer)
     return model
 
 
@@ -492,6 +492,88 @@ def test_the_long_commands_say_nothing_of_threads_before_their_checks(command, m
         main([*argv, "--threads", "2"])
     assert capsys.readouterr().err == ""
     assert threads[0] == 2  # each sets its threads before loading the model
+
+
+def test_generate_sets_its_threads_before_loading_and_hints_only_after_its_checks(monkeypatch, capsys, tokenizer):
+    import torch
+
+    def start(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr("caote.models.load_model", start)
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    with pytest.raises(Started):
+        main(["generate", "hi", "--threads", "3"])
+    assert threads == [3] and capsys.readouterr().err == ""
+    code, _, err = run_main(capsys, "generate", "hi", "--threads", "0")
+    assert code == 2 and err == "caote generate: error: argument --threads: must be a positive integer, got '0'\n"
+    load_as(monkeypatch, tiny_model("llama", vocab_size=49152, max_position_embeddings=256), tokenizer)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 1.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    code, _, err = run_main(capsys, "generate", "hi", "--threads", "2", "--max-new-tokens", "100000000")
+    assert code == 2 and err.count("\n") == 1 and "try --threads 1" not in err, err  # a refusal stays one line
+    code, _, err = run_main(capsys, "generate", "hi", "--threads", "2", "--max-new-tokens", "2", "--no-chat")
+    assert code == 0 and err == SHARED + "\n", err
+
+
+@pytest.fixture
+def no_bench_run(monkeypatch):
+    monkeypatch.setattr("caote.benchmark.schedule.run_benchmark", lambda *args, **kwargs: pytest.fail("it ran"))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "0"], "argument --budget: must be a positive integer, got '0'"),
+        (["--threads", "0"], "argument --threads: must be a positive integer, got '0'"),
+        (["--decode-eviction-interval", "0"], "argument --decode-eviction-interval: must be a positive integer"),
+        (["--new-tokens", "-1"], "argument --new-tokens: must be an integer >= 0, got '-1'"),
+        (["--decode-rounds", "-1"], "argument --decode-rounds: must be an integer >= 0, got '-1'"),
+        (["--model", "/no/such/dir"], "no such directory: '/no/such/dir'; give an existing model directory"),
+        (
+            ["--budget", "10", "--decode-eviction-interval", "9"],
+            "decode_eviction_interval 9 is too large for budget 10",
+        ),
+        (["--contexts", "0"], "contexts must be positive token counts, got (0,)"),
+        (
+            ["--report-from", "/no/such/results.json"],
+            "--report-from '/no/such/results.json': No such file or directory",
+        ),
+    ],
+)
+def test_bad_bench_options_exit_2_in_one_line_before_the_run(capsys, no_bench_run, args, message):
+    code, out, err = run_main(capsys, "bench", *args)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"caote bench: error: {message}"), err
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("garbage", "is not JSON (Expecting value: line 1 column 1 (char 0)): give the results.json of a run"),
+        ("[1, 2]", "holds no run's meta and samples: give the results.json of a run"),
+        ('{"meta": {"config": {}}, "samples": []}', "is not the results.json of a run: it lacks 'configurations'"),
+    ],
+)
+def test_a_report_from_anything_but_a_runs_results_is_one_line_exit_2(capsys, tmp_path, text, message):
+    path = tmp_path / "results.json"
+    path.write_text(text)
+    code, out, err = run_main(capsys, "bench", "--report-from", str(path))
+    assert code == 2 and out == "" and err == f"caote bench: error: --report-from '{path}' {message}\n", err
+    assert sorted(tmp_path.iterdir()) == [path]  # nothing written beside it
+
+
+def test_bench_refusals_in_a_real_process_import_no_torch(tmp_path):
+    code = (
+        "import sys\nfrom caote.cli import main\ntry:\n    code = main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+        "    code = stop.code\nsys.exit(code + 10 * ('torch' in sys.modules))"
+    )
+    (tmp_path / "garbage.json").write_text("garbage")
+    for args in (["--budget", "0"], ["--model", "/no/such/dir"], ["--report-from", str(tmp_path / "garbage.json")]):
+        result = subprocess.run([sys.executable, "-c", code, "bench", *args], capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 2, result.stderr  # 12 would mean torch was imported
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("caote bench: error: "), result.stderr
 
 
 def test_bench_help_prints_lists_not_tuples(capsys):

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from caote.arguments import Parser, UsageError, int_tuple
-from caote.benchmark.config import COMMITTED_OUT, DEFAULT_OUT, DEFAULT_REPEATS, TINY_LLAMA, BenchConfig
+from caote.arguments import Parser, UsageError, check_model, int_tuple, non_negative_int, positive_int
+from caote.benchmark.config import (
+    COMMITTED_OUT,
+    DEFAULT_OUT,
+    DEFAULT_REPEATS,
+    TINY_LLAMA,
+    BenchConfig,
+    validate_config,
+)
 
 
 def _policy_list(text: str) -> tuple[str, ...]:
@@ -51,11 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {_listed(defaults.repeats_for(context) for context in defaults.contexts)})",
     )
     parser.add_argument(
-        "--budget", type=int, default=defaults.budget, help=f"KV tokens kept per layer (default {defaults.budget})"
+        "--budget",
+        type=positive_int,
+        default=defaults.budget,
+        help=f"KV tokens kept per layer (default {defaults.budget})",
     )
     parser.add_argument(
         "--block-size",
-        type=int,
+        type=positive_int,
         default=defaults.block_size,
         help=f"prefill block size (default {defaults.block_size})",
     )
@@ -74,26 +85,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--new-tokens",
-        type=int,
+        type=non_negative_int,
         default=defaults.new_tokens,
         help=f"tokens decoded for the decoding speed (0 = skip; default {defaults.new_tokens})",
     )
     parser.add_argument(
         "--decode-rounds",
-        type=int,
+        type=non_negative_int,
         default=defaults.decode_rounds,
         help="rounds of decoding with every decode policy's steps interleaved beside full@b, per context up to "
         f"8k, for the decode targets (0 = skip; default {defaults.decode_rounds})",
     )
     parser.add_argument(
         "--decode-eviction-interval",
-        type=int,
+        type=positive_int,
         default=defaults.decode_eviction_interval,
         help="evict this many tokens whenever decoding overflows the budget, so scoring runs once "
         "per that many steps (default 1: one token per step, the paper's setting)",
     )
     parser.add_argument(
-        "--threads", type=int, default=defaults.threads, help=f"torch threads (default {defaults.threads})"
+        "--threads", type=positive_int, default=defaults.threads, help=f"torch threads (default {defaults.threads})"
     )
     parser.add_argument(
         "--text",
@@ -133,8 +144,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise UsageError(f"--repeats needs 1 or {len(contexts)} values, got {len(args.repeats)}")
     if any(r < 1 for r in repeats.values()):
         raise UsageError("--repeats must be >= 1")
+    if args.model != TINY_LLAMA:
+        check_model(args.model)
     decode = tuple(name for name in args.decode_policies if name in args.policies)
-    return BenchConfig(
+    config = BenchConfig(
         model=args.model,
         contexts=contexts,
         repeats=repeats,
@@ -150,18 +163,49 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         isolate=args.isolate,
         seed=args.seed,
     )
+    try:
+        validate_config(config)  # the settings of every policy: a budget, block or interval they cannot run with
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return config
+
+
+def read_results(path: str) -> Path:
+    """``--report-from``'s file, refused in one line (before torch) unless it is a JSON object of a run's ``meta``
+    and ``samples``, as ``caote bench`` writes it (also partly)."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise UsageError(f"--report-from '{path}': {error.strerror or error}") from None
+    except ValueError as error:  # not UTF-8, or not JSON
+        raise UsageError(f"--report-from '{path}' is not JSON ({error}): give the results.json of a run") from None
+    if not (
+        isinstance(document, dict)
+        and isinstance(document.get("meta"), dict)
+        and isinstance(document["meta"].get("config"), dict)
+        and isinstance(document.get("samples"), list)
+    ):
+        raise UsageError(f"--report-from '{path}' holds no run's meta and samples: give the results.json of a run")
+    return Path(path)
 
 
 def command(args: argparse.Namespace) -> int:
-    # start-up: the run imports torch and transformers, which `caote --help` does not need
-    from caote.benchmark.document import report_from_json
-    from caote.benchmark.schedule import run_benchmark
-
     if args.report_from:
-        summary = report_from_json(args.report_from)["summary"]
+        path = read_results(args.report_from)
+        # start-up: the documents import torch and matplotlib, which a refusal does not need
+        from caote.benchmark.document import report_from_json
+
+        try:
+            summary = report_from_json(path)["summary"]
+        except (KeyError, TypeError, AttributeError, IndexError) as error:  # a field every run writes is missing
+            reason = f"it lacks {error}" if isinstance(error, KeyError) else str(error)
+            raise UsageError(f"--report-from '{path}' is not the results.json of a run: {reason}") from None
         print(f"targets met: {summary['targets_met']} of {summary['targets_total']}")
         return 0
     config = config_from_args(args)
+    # start-up: the run imports torch and transformers, which `caote --help` and a refusal do not need
+    from caote.benchmark.schedule import run_benchmark
+
     document = run_benchmark(config, args.out, log=lambda line: print(line, flush=True))
     summary = document["summary"]
     print(
