@@ -131,7 +131,8 @@ class CacheStats:
 
     ``policy`` is the policy the cache ran, ``requested`` the name asked for (``"auto"``, or the policy's own).
     ``peak_kv_bytes`` is the most held at once: inside a prefill block only the layer being evicted holds
-    ``budget + block`` tokens, the others at most ``budget``; a layer decoding in place holds the bytes of its
+    ``budget + block`` tokens, the others at most ``budget`` (with ``prefill="compress"`` the block is the whole
+    prompt: one layer holds it all before its eviction); a layer decoding in place holds the bytes of its
     ``budget + 1`` slots throughout (one of them free after each step).
     """
 
@@ -371,7 +372,8 @@ class EvictionCache(Cache):
         if not isinstance(layer, EvictionLayer):  # a sliding-window layer of a hybrid model keeps its own rule
             return
         new = layer.new_tokens
-        if new > self.block_size and self.policy.evicts and index == self._first_evicting:  # once per forward
+        prefilling_in_blocks = self.settings.prefill == "blocks" and self.policy.evicts
+        if new > self.block_size and prefilling_in_blocks and index == self._first_evicting:  # once per forward
             logger.warning(
                 "EvictionCache received %d tokens in one forward (block size %d): attention over them is not "
                 "bounded by the budget; pass prefill_chunk_size=%d to generate",

@@ -26,7 +26,15 @@ from caote.arguments import (
     temperature,
     warn_if_threads_share_cores,
 )
-from caote.defaults import AUTO_POLICY, DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET, DEFAULT_POLICY, DEFAULT_SEED
+from caote.defaults import (
+    AUTO_POLICY,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_BUDGET,
+    DEFAULT_POLICY,
+    DEFAULT_PREFILL,
+    DEFAULT_SEED,
+    PREFILL_MODES,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DTYPES = ("float32", "bfloat16", "float16")
@@ -110,6 +118,14 @@ def _add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help="prompt tokens per prefill block (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default=DEFAULT_PREFILL,
+        help="blocks: read the prompt in blocks, each evicted to the budget (memory never above budget + block); "
+        "compress: read it whole with the full cache, then evict to the budget once (retrieval of a fact the "
+        "question asks for; peak memory holds the prompt in one layer) (default: %(default)s)",
     )
     parser.add_argument(
         "--temperature",
@@ -268,6 +284,7 @@ def check_settings(args: argparse.Namespace):
             budget=args.budget,
             policy=args.policy,
             block_size=args.block_size,
+            prefill=args.prefill,
             seed=args.seed,
             predictor=None if predictor is None else str(predictor),
             compile_decode=args.compile_decode,

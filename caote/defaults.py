@@ -8,6 +8,10 @@ from __future__ import annotations
 
 DEFAULT_BUDGET = 512  # KV tokens kept per full-attention layer (and per KV head)
 DEFAULT_BLOCK_SIZE = 128  # prompt tokens per prefill block
+# how a prompt is read (`caote.settings.CacheSettings.prefill`): in blocks, each evicted to the budget (the paper's), or
+# whole with the full cache and compressed to the budget once (prefill, then compress)
+PREFILL_MODES = ("blocks", "compress")
+DEFAULT_PREFILL = "blocks"
 DEFAULT_SINK_TOKENS = 4  # first tokens every policy keeps (attention sinks)
 DEFAULT_GQA = "rss"  # how the CAOTE errors of a KV group's query heads combine (caote.value_aware.GQA_AGGREGATIONS)
 DEFAULT_DECODE_EVICTION_INTERVAL = 1  # tokens evicted per scoring while decoding (the paper's: one per step)

@@ -218,11 +218,12 @@ def generate(
 
     ``prompt_or_messages`` is a string (tokenised as is) or a list of chat messages (``[{"role": "user",
     "content": ...}]``, run through the tokenizer's chat template with the generation prompt). The prompt is
-    consumed in blocks of ``block_size`` tokens (evicting after each) and every decoded token evicts one. The cache
-    settings come as one `CacheSettings` (``settings=``) or as its fields: ``budget``, ``policy`` and
-    ``block_size`` (also positional, as before) and the keywords ``sink_tokens``, ``recent_window``, ``gqa``,
-    ``decode_eviction_interval``, ``seed`` (defaults in `caote.defaults`); every other keyword goes to
-    ``model.generate`` (``do_sample``, ``temperature``, ...); decoding defaults to greedy.
+    consumed in blocks of ``block_size`` tokens (evicting after each; ``prefill="compress"``: whole, then evicted to
+    the budget once) and every decoded token evicts one. The cache settings come as one `CacheSettings`
+    (``settings=``) or as its fields: ``budget``, ``policy`` and ``block_size`` (also positional, as before) and the
+    keywords ``prefill``, ``sink_tokens``, ``recent_window``, ``gqa``, ``decode_eviction_interval``, ``seed``
+    (defaults in `caote.defaults`); every other keyword goes to ``model.generate`` (``do_sample``, ``temperature``,
+    ...); decoding defaults to greedy.
 
     Every input is checked before the first forward (`check_inputs`): the settings, the model and the tokenizer
     (loaded ones, not names: use `caote.models.load_model`) and the model's class, the decoding mode (beam search,
@@ -263,7 +264,8 @@ def generate_ids(
     **generate_kwargs,
 ) -> tuple[list[int], CacheStats]:
     """The decoding core of `generate` (and of the evaluation runner): ``input_ids`` ``(1, T)`` answered under a
-    fresh `EvictionCache` of ``settings``, the prompt consumed in blocks of ``settings.block_size``; greedy unless
+    fresh `EvictionCache` of ``settings``, the prompt consumed as ``settings.prefill`` says (blocks of
+    ``settings.block_size``, or whole then compressed); greedy unless
     ``do_sample=True``.
 
     Checks nothing itself (`generate` checks first); keyword arguments go to ``model.generate``. Returns the new
@@ -279,7 +281,7 @@ def generate_ids(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
             cache=cache,
-            prefill_chunk_size=settings.block_size,
+            prefill_chunk_size=settings.prefill_chunk_size,
             max_new_tokens=max_new_tokens,
             streamer=streamer,
             **generate_kwargs,

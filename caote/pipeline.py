@@ -128,7 +128,7 @@ class CaoteTextGenerationPipeline(Pipeline):
 
     def _forward(self, model_inputs, settings: CacheSettings | None = None, max_new_tokens=50, compress="all"):
         settings = settings or CacheSettings()
-        block_size = settings.block_size
+        block_size = settings.prefill_chunk_size  # None: each prompt part whole (prefill, then compress)
         context_ids = model_inputs["context_ids"]
         question_ids = model_inputs["question_ids"]
         longest = max(ids.shape[-1] for ids in question_ids)
@@ -149,10 +149,12 @@ class CaoteTextGenerationPipeline(Pipeline):
                 stats.append(cache.stats())
         return {"answers": answers, "stats": stats}
 
-    def _feed(self, ids: torch.Tensor, cache: EvictionCache, block_size: int) -> torch.Tensor | None:
-        """Run ``ids`` through the model in blocks of ``block_size``; the last position's logits (None if empty)."""
+    def _feed(self, ids: torch.Tensor, cache: EvictionCache, block_size: int | None) -> torch.Tensor | None:
+        """Run ``ids`` through the model in blocks of ``block_size`` (None: whole); the last position's logits (None
+        if empty)."""
         logits = None
         ids = ids.to(self.model.device)
+        block_size = block_size or max(ids.shape[-1], 1)
         for start in range(0, ids.shape[-1], block_size):
             block = ids[:, start : start + block_size]
             output = self.model(input_ids=block, cache=cache, use_cache=True, logits_to_keep=1)

@@ -3,6 +3,9 @@
 A policy name is ``<base>`` or ``<base>+caote`` / ``<base>+fastcaote`` (e.g. ``"snapkv+fastcaote"``), plus ``"full"``
 (no eviction). A value-aware name may end in ``/<gqa>`` (``"tova+caote/mean"``) to fix how the CAOTE errors of a
 KV group's query heads combine (`caote.value_aware.GQA_AGGREGATIONS`), e.g. for an ablation in one evaluation grid.
+Any evicting policy that scores may end in ``/page<size>`` (``"tova+caote/page32"``, after a ``/<gqa>``): tokens are
+ranked by the summed score of their page of ``size`` positions, so whole pages go (`caote.pages`); ``/page<size>-max``
+ranks a page by its best token instead.
 ``"auto"`` names no policy of its own but one of these, chosen per model and budget (`is_auto`, `auto_thresholds`;
 resolved by `caote.settings.CacheSettings`).
 
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from caote import bounds, value_aware
+from caote import bounds, pages, value_aware
 from caote.bases import BASE_SCORES, BaseScore, ScoreInputs
 from caote.defaults import AUTO_POLICY, AUTO_TRAINING_FREE, PAPER_GROUP
 from caote.positions import held
@@ -56,6 +60,8 @@ class Policy:
     base: BaseScore | None
     transform: str = "none"
     gqa: str | None = None  # the name's own GQA aggregation (``/mean``), overriding the cache's
+    page: int | None = None  # ``/page<size>``: tokens ranked by their page's score (`caote.pages`); None: by their own
+    page_reduction: str = pages.DEFAULT_REDUCTION  # how a page's score combines its tokens' (`caote.pages.REDUCTIONS`)
 
     @property
     def evicts(self) -> bool:
@@ -97,7 +103,8 @@ class Policy:
         ``fused``: the transform in one compiled kernel (`caote.value_aware.compiled`). ``lowest``: the caller evicts
         that many of the lowest-scored tokens not ``inputs.protected`` (a decode step); a value-aware transform then
         scores directly only the tokens that can be among them, the others getting a lower bound of their score
-        (`caote.bounds.lowest_errors`; the same tokens go)."""
+        (`caote.bounds.lowest_errors`; the same tokens go). A paged policy's tokens then carry their page's score
+        (`caote.pages.page_scores`), which reads every token's, so it never takes the bounds."""
         base = self.base.score(inputs)
         kv_heads = inputs.positions.shape[1]
         grouped = value_aware.group_query_heads(base, kv_heads) if self.base.per_query_head else base.unsqueeze(2)
@@ -115,7 +122,7 @@ class Policy:
                 )
             protected = None if inputs.protected is None or self.base.layer_wide else inputs.protected.unsqueeze(2)
             values = inputs.values.unsqueeze(2)
-            if lowest is not None and protected is not None and real is None and not fused:
+            if lowest is not None and protected is not None and real is None and not fused and self.page is None:
                 values = values.to(weights.dtype)
                 if self.reads_output and inputs.output is not None:
                     output = inputs.output.to(weights.dtype)  # the step's own: the same bmm, done once
@@ -131,6 +138,8 @@ class Policy:
         scores = value_aware.aggregate_groups(grouped, how)
         if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group
             scores = value_aware.aggregate_groups(scores.unsqueeze(1), how).expand_as(scores)
+        if self.page is not None:
+            scores = pages.page_scores(scores, inputs.positions, self.page, self.page_reduction)
         return scores
 
     # -- selection: inputs -> scores -> protect -> keep top-b (kvpress's ``compress``) -----------------------------
@@ -144,12 +153,20 @@ class Policy:
         own count being its lowest-ranked."""
         scores = protect(self.ordered_scores(inputs, gqa, inputs.real is not None), inputs)
         if inputs.real is None:
-            return scores.topk(kept, dim=-1, sorted=False).indices.sort(dim=-1).values, None
+            return self.best(scores, kept).sort(dim=-1).values, None
         own = inputs.real.sum(dim=-1, keepdim=True)
         target = torch.where(own > budget, kept, own)
         width = min(max(kept, int(target.max())), scores.shape[-1])
-        indices, order = scores.topk(width, dim=-1).indices.sort(dim=-1)  # topk: best first
+        indices, order = self.best(scores, width).sort(dim=-1)
         return indices, (torch.arange(width, device=own.device) >= target).gather(-1, order)
+
+    def best(self, scores: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` tokens of highest score of tokens in arrival order, best first. A paged policy's tokens tie
+        within a page: the newer ranks first, so the older goes first, as in place (`lowest`)."""
+        if self.page is None:
+            return scores.topk(count, dim=-1).indices
+        newest_first = scores.flip(-1).argsort(dim=-1, descending=True, stable=True)[..., :count]
+        return scores.shape[-1] - 1 - newest_first
 
     def slots_to_free(self, inputs: ScoreInputs, count: int, gqa: str, fused: bool = False) -> torch.Tensor:
         """The ``count`` slots ``(B, H_kv, count)`` of lowest protected score of a layer decoding in place (slots
@@ -210,12 +227,22 @@ def in_position_order(inputs: ScoreInputs, order: torch.Tensor) -> ScoreInputs:
     )
 
 
-def policy_name(base: str, transform: str = "none", gqa: str | None = None) -> str:
+def policy_name(
+    base: str,
+    transform: str = "none",
+    gqa: str | None = None,
+    page: int | None = None,
+    page_reduction: str = pages.DEFAULT_REDUCTION,
+) -> str:
     """The name `parse_policy` reads as ``base`` under ``transform`` (``"none"``: the plain base) with its own GQA
-    aggregation ``gqa``: ``policy_name("tova", "caote", "mean") == "tova+caote/mean"`` (not validated, so a report
-    may look up a policy its rows lack)."""
+    aggregation ``gqa`` and pages of ``page`` positions: ``policy_name("tova", "caote", "mean") == "tova+caote/mean"``,
+    ``policy_name("h2o", page=32, page_reduction="max") == "h2o/page32-max"`` (not validated, so a report may look up
+    a policy its rows lack)."""
     name = base if transform == "none" else f"{base}+{transform}"
-    return name if gqa is None else f"{name}/{gqa}"
+    name = name if gqa is None else f"{name}/{gqa}"
+    if page is None:
+        return name
+    return f"{name}/page{page}" + ("" if page_reduction == pages.DEFAULT_REDUCTION else f"-{page_reduction}")
 
 
 def policy_names(hindsight: bool = False) -> list[str]:
@@ -238,18 +265,24 @@ POLICY_GROUPS: dict[str, list[str]] = {
 }
 
 
+PAGE_SUFFIX = re.compile(r"page(\d+)(?:-(\w+))?")
+
+
 def parse_policy(name: str) -> Policy:
     """``"snapkv+fastcaote"`` -> `Policy`; unknown names raise a one-line error with the closest valid name."""
-    valid = policy_names(hindsight=True)
     if isinstance(name, str) and "/" in name:
-        stem, _, gqa = name.strip().lower().partition("/")
+        stem, _, suffix = name.strip().lower().rpartition("/")
+        page = PAGE_SUFFIX.fullmatch(suffix)
+        if page is not None:
+            return paged(parse_policy(stem), name, int(page.group(1)), page.group(2) or pages.DEFAULT_REDUCTION)
         policy = parse_policy(stem)
-        if not policy.value_aware or gqa not in value_aware.GQA_AGGREGATIONS:
+        if "/" in stem or not policy.value_aware or suffix not in value_aware.GQA_AGGREGATIONS:
             raise ValueError(
                 f"policy {name!r}: '/<gqa>' follows a value-aware policy (e.g. 'tova+caote/mean') and names one of "
-                f"{', '.join(value_aware.GQA_AGGREGATIONS)}"
+                f"{', '.join(value_aware.GQA_AGGREGATIONS)}; '/page<size>' comes last (e.g. 'tova+caote/mean/page32')"
             )
-        return Policy(policy_name(policy.base_name, policy.transform, gqa), policy.base, policy.transform, gqa)
+        return replace(policy, name=policy_name(policy.base_name, policy.transform, suffix), gqa=suffix)
+    valid = policy_names(hindsight=True)
     if not isinstance(name, str) or name.strip().lower() not in valid:
         close = difflib.get_close_matches(str(name).strip().lower(), valid, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -259,6 +292,23 @@ def parse_policy(name: str) -> Policy:
         return Policy("full", None)
     base, _, transform = name.partition("+")
     return Policy(name, BASE_SCORES[base], transform or "none")
+
+
+def paged(policy: Policy, name: str, size: int, reduction: str) -> Policy:
+    """``policy`` ranking its tokens by pages of ``size`` positions (``name``'s ``/page<size>[-<reduction>]``)."""
+    if policy.page is not None:
+        raise ValueError(f"policy {name!r} names a page size twice")
+    if not policy.evicts or policy.base.kept_by_recency is not None:
+        what = "keeps every token" if not policy.evicts else "keeps the newest tokens, whole runs already"
+        raise ValueError(f"policy {name!r}: {policy.name} {what}, so pages change nothing; leave '/page' out")
+    if size < 1:
+        raise ValueError(f"policy {name!r}: the page size must be an integer >= 1, got {size}")
+    if reduction not in pages.REDUCTIONS:
+        raise ValueError(
+            f"policy {name!r}: a page's score is the '-sum' (default) or '-max' of its tokens', got '-{reduction}'"
+        )
+    label = policy_name(policy.base_name, policy.transform, policy.gqa, size, reduction)
+    return replace(policy, name=label, page=size, page_reduction=reduction)
 
 
 def is_auto(name) -> bool:

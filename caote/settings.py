@@ -23,8 +23,10 @@ from caote.defaults import (
     DEFAULT_DECODE_EVICTION_INTERVAL,
     DEFAULT_GQA,
     DEFAULT_POLICY,
+    DEFAULT_PREFILL,
     DEFAULT_SEED,
     DEFAULT_SINK_TOKENS,
+    PREFILL_MODES,
 )
 from caote.policies import Policy, auto_training_free, is_auto, parse_policy
 from caote.predictor import Predictor
@@ -69,6 +71,13 @@ class CacheSettings:
     block_size:
         Prompt block size that ``generate(prefill_chunk_size=...)`` should use (the paper's 128); a forward with more
         new tokens than this is allowed but logs a warning, since its attention is not bounded by the budget.
+    prefill:
+        How a prompt is read: ``"blocks"`` (the default, the paper's) in blocks of ``block_size``, each block evicted
+        down to the budget, so no layer ever holds more than ``budget + block_size`` tokens; ``"compress"``
+        (prefill, then compress) the whole prompt in one forward with the full cache, each layer evicted to the
+        budget once right after its attention, so the scores read the whole prompt, its question included. Peak KV:
+        one layer holds the whole prompt while the others hold the budget (`caote.cache.CacheStats`); decoding stays
+        bounded as in ``"blocks"``. `prefill_chunk_size` is what ``generate`` takes for either.
     sink_tokens:
         The first positions, never evicted (StreamingLLM's attention sinks). Default 4.
     recent_window:
@@ -102,6 +111,7 @@ class CacheSettings:
     budget: int = DEFAULT_BUDGET
     policy: Policy | str = DEFAULT_POLICY
     block_size: int = DEFAULT_BLOCK_SIZE
+    prefill: str = DEFAULT_PREFILL
     sink_tokens: int = DEFAULT_SINK_TOKENS
     recent_window: int | None = None
     gqa: str = DEFAULT_GQA
@@ -140,6 +150,8 @@ class CacheSettings:
             )
         if not isinstance(self.compile_decode, bool):
             raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
         if self.gqa not in GQA_AGGREGATIONS:
             raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {self.gqa!r}")
         for name, value in values.items():
@@ -163,6 +175,12 @@ class CacheSettings:
             raise ValueError(
                 f"decode_eviction_interval {self.decode_eviction_interval} is too large for budget {self.budget}: "
                 f"budget - interval + 1 must exceed {protected}"
+            )
+        room = self.budget - self.sink_tokens - recent
+        if policy.page is not None and policy.page > room:
+            raise ValueError(
+                f"page size {policy.page} of policy {policy.name!r} is larger than the {room} tokens budget "
+                f"{self.budget} leaves to choose from ({protected}): choose pages of at most {room}"
             )
         return recent
 
@@ -218,6 +236,12 @@ class CacheSettings:
         if found is None or not found[0].helps:
             return self
         return self.replace(policy=found[0].validation.get("learned", AUTO_LEARNED), auto=True)
+
+    @property
+    def prefill_chunk_size(self) -> int | None:
+        """What ``model.generate(prefill_chunk_size=...)`` takes: ``block_size``, or None (the whole prompt in one
+        forward) when ``prefill`` is ``"compress"``."""
+        return self.block_size if self.prefill == "blocks" else None
 
     def kept_after(self, new_tokens: int) -> int:
         """How many tokens a layer keeps when a forward of ``new_tokens`` overflows the budget: ``budget`` after a

@@ -18,7 +18,7 @@ from caote.families import FAMILIES, SUPPORTED_MODEL_TYPES, family_table
 from caote.testing import tiny_model
 
 BLOCK = 32
-POLICIES = ["tova+caote", "snapkv+caote", "h2o+fastcaote"]
+POLICIES = ["tova+caote", "snapkv+caote", "h2o+fastcaote", "h2o+caote/page8"]
 ROOT = Path(__file__).resolve().parent.parent
 
 CASES = [(name, backend) for name, family in FAMILIES.items() for backend in family.backends]
@@ -36,7 +36,8 @@ def test_a_budget_above_everything_reproduces_a_dynamic_cache(family, backend, p
 
 
 @pytest.mark.parametrize("family,backend", CASES)
-@pytest.mark.parametrize("policy", ["snapkv+caote", "learned+caote"])  # learned: RoPE undone in every family
+# learned: RoPE undone in every family; a paged policy: whole pages, the budget exact
+@pytest.mark.parametrize("policy", ["snapkv+caote", "learned+caote", "tova+caote/page16"])
 def test_every_full_attention_layer_holds_at_most_budget_after_every_forward(family, backend, policy):
     model = tiny_model(family, attn_implementation=backend)
     budget = 48

@@ -18,7 +18,12 @@ from caote.stacking import evict_together, stack
 from caote.strategies import Immediate
 
 BUDGET, BLOCK = 40, 16
-CAUSAL = [name for name in policy_names() if name != "full"]
+# every policy, and paged ones (`caote.pages`): whole pages ranked alike in place and in arrival order
+CAUSAL = [name for name in policy_names() if name != "full"] + [
+    "tova+caote/page8",
+    "snapkv+caote/page4-max",
+    "h2o/page16",
+]
 
 
 def decode(model, cache, ids, steps, attention_mask=None):

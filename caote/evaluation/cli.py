@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from caote.arguments import Parser, UsageError
+from caote.arguments import Parser, UsageError, check_predictor_file
+from caote.defaults import DEFAULT_PREFILL
 from caote.evaluation.registry import BENCHMARKS, REPORT
 
 DEFAULT_BUDGETS = "128,256,512"
@@ -94,16 +95,30 @@ OPTIONS: tuple[tuple[tuple[str, ...], dict, str], ...] = (
     (("--tasks",), {"default": None, "help": "comma list of tasks (ruler, longbench); default: all"}, "task"),
     (
         ("--depths",),
-        {"default": None, "help": "niah: comma list of needle depths in %% (default: 10,50,90)"},
+        {
+            "default": None,
+            "help": "niah, passkey: comma list of needle depths in %% (default: niah 10,50,90; passkey ten from 20 "
+            "to 90)",
+        },
         "task",
     ),
     (
         ("--protocols",),
         {
             "default": None,
-            "help": "niah: comma list of question protocols: in-prompt (the question in the last prompt block, "
-            "default), question-after (context compressed, then question and answer uncompressed, as kvpress), "
+            "help": "niah, passkey: comma list of question protocols: in-prompt (the question in the last prompt "
+            "block, default), question-after (context compressed, then question and answer uncompressed, as kvpress), "
             "question-after-bounded (the question and answer evicted too)",
+        },
+        "task",
+    ),
+    (
+        ("--prefill",),
+        {
+            "default": DEFAULT_PREFILL,
+            "help": "examples tasks (niah, passkey, ruler, longbench): how a prompt is read: blocks (of 128, each "
+            "evicted to the budget) or compress (whole with the full cache, then evicted to the budget once; rows go "
+            "to results/<benchmark>-compress unless --out) (default: %(default)s)",
         },
         "task",
     ),
@@ -188,14 +203,18 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the arguments (a bad one is a `UsageError`, before any model loads), then run."""
-    # start-up: the runners import torch and transformers, which `caote --help` does not need
-    from caote.evaluation import report
+    # start-up: the config imports torch, which `caote --help` does not need
     from caote.evaluation.config import config_from_args
 
     try:
         config = config_from_args(args)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if config.predictor is not None:  # readable, finite, of this feature set and model: known before it loads
+        check_predictor_file(config.predictor, config.model)
+    # start-up: the runners import transformers and the tasks' dependencies, which a refusal does not need
+    from caote.evaluation import report
+
     if config.benchmark == REPORT:
         return report.run_report(config)
     return report.run_benchmark(config)

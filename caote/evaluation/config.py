@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from caote.arguments import parse_int, parse_int_list
-from caote.defaults import DEFAULT_BLOCK_SIZE
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL, PREFILL_MODES
 from caote.evaluation.examples import PROTOCOLS
 from caote.evaluation.registry import BENCHMARKS, REPORT, TASKS
 from caote.policies import expand_policies, hindsight_policies
@@ -45,6 +45,7 @@ class EvalConfig:
     grid: str = "full"  # report: the grid (`caote.evaluation.grids.GRIDS`)
     progress: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
+    prefill: str = DEFAULT_PREFILL  # examples tasks: `caote.settings.CacheSettings.prefill`
     max_new_tokens: int | None = None
     threads: int | None = None
     summarise_only: bool = False
@@ -94,7 +95,10 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     protocols = _protocols(getattr(args, "protocols", None), benchmark)
     max_new_tokens = _optional_count("--max-new-tokens", args.max_new_tokens)
     threads = _optional_count("--threads", args.threads)
+    prefill = _prefill(getattr(args, "prefill", DEFAULT_PREFILL), benchmark, task)
     default_out = Path("results") / (f"{REPORT}-{grid}" if benchmark == REPORT else benchmark)
+    if prefill != DEFAULT_PREFILL:
+        default_out = default_out.with_name(f"{default_out.name}-{prefill}")
     return EvalConfig(
         benchmark=benchmark,
         model=args.model,
@@ -111,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         protocols=protocols,
         max_new_tokens=max_new_tokens,
         threads=threads,
+        prefill=prefill,
         summarise_only=bool(args.summarise_only),
         predictor=predictor,
         quick=grid == "quick",
@@ -219,14 +224,24 @@ def _depths(text: str | None) -> list[float] | None:
     return depths
 
 
+def _prefill(mode: str, benchmark: str, task) -> str:
+    """``--prefill``, one of `PREFILL_MODES`; a mode other than blocks only for a task that answers examples (a
+    texts task teacher-forces its text in blocks, so its KL reads no prompt to compress)."""
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"--prefill: {mode!r} is not one of {', '.join(PREFILL_MODES)}")
+    if mode != DEFAULT_PREFILL and (task is None or task.texts is not None):
+        raise ValueError(f"--prefill {mode} applies to the tasks that answer prompts (niah, passkey, ruler, longbench)")
+    return mode
+
+
 def _protocols(text: str | None, benchmark: str) -> list[str] | None:
-    """``--protocols`` (niah only), each one of `PROTOCOLS` (None when not given)."""
+    """``--protocols`` (niah and passkey only), each one of `PROTOCOLS` (None when not given)."""
     if not text:
         return None
     protocols = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown or not protocols:
         raise ValueError(f"--protocols: unknown {unknown} (choose from {', '.join(PROTOCOLS)})")
-    if benchmark != "niah":
-        raise ValueError("--protocols applies to 'niah' only")
+    if benchmark not in ("niah", "passkey"):
+        raise ValueError("--protocols applies to 'niah' and 'passkey' only")
     return protocols

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from caote.attention import attention_probabilities
 from caote.cache import CacheSnapshot, EvictionCache
-from caote.defaults import DEFAULT_BLOCK_SIZE
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL
 from caote.evaluation.fidelity import AttentionCapture, FidelityMeter, measured
 from caote.evaluation.reference import FULL, UNBOUNDED
 from caote.future import FutureAttention, received
@@ -44,16 +44,22 @@ EVAL_DECODE_EVICTION_INTERVAL = 1
 
 
 def cell_settings(
-    policy: str, budget: int | None, block_size: int = DEFAULT_BLOCK_SIZE, predictor: str | None = None
+    policy: str,
+    budget: int | None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    predictor: str | None = None,
+    prefill: str = DEFAULT_PREFILL,
 ) -> CacheSettings:
     """The cache settings of one policy x budget cell, for texts and examples alike: `UNBOUNDED` for the reference
     (``None``), the paper's one token evicted per decode step, the library's defaults otherwise (``predictor``: the
-    file of the learned policies and auto, None for the model's committed one)."""
+    file of the learned policies and auto, None for the model's committed one; ``prefill``: the prompt read in
+    blocks or whole, then compressed, `caote.settings.CacheSettings.prefill`)."""
     reads_predictor = is_auto(policy) or parse_policy(policy).reads_predictor
     return CacheSettings(
         budget=UNBOUNDED if budget is None else budget,
         policy=policy,
         block_size=block_size,
+        prefill=prefill,
         decode_eviction_interval=EVAL_DECODE_EVICTION_INTERVAL,
         predictor=predictor if reads_predictor else None,  # a grid's other policies read none
     )

@@ -134,19 +134,23 @@ def niah_example(
     max_new_tokens: int = 16,
     index: int = 0,
     protocol: str = "in-prompt",
+    plain: bool = False,
 ) -> Example:
     """One needle-in-a-haystack `Example` of about ``context_length`` prompt tokens with the needle at ``depth`` %.
 
     ``filler``: ``"repeat"`` (the grass-is-green filler; what the bundled 135M model can solve) or ``"essays"``
     (Paul Graham essays of ``split``). ``seed`` and ``index`` fix the needle's value and the essay order;
     ``protocol`` (`caote.evaluation.examples.PROTOCOLS`) says whether the question is compressed with the context.
+    ``plain``: the prompt is the text itself, no chat template, the answer prefix after the question (the pass-key
+    prompts runtimes are compared on, `caote.evaluation.passkey`).
     """
     spec = NEEDLES[needle]
+    prefix = f" {spec.answer_prefix}" if plain else spec.answer_prefix
     rng = random.Random(f"niah:{seed}:{needle}:{context_length}:{depth}:{index}")
     value = spec.draw_value(rng)
     sentence = spec.sentence(value)
     empty = (dict(role="user", content=niah_user_message(sentence, spec.question)),)
-    overhead = prompt_token_count(tokenizer, empty, spec.answer_prefix)
+    overhead = prompt_token_count(tokenizer, empty, prefix, plain)
     if overhead >= context_length:
         raise ValueError(
             f"context_length {context_length} leaves no room for filler (the prompt alone is {overhead} tokens)"
@@ -163,8 +167,9 @@ def niah_example(
         actual_depth=round(actual_depth, 2),
         seed=seed,
         protocol=protocol,
-        prompt_tokens=prompt_token_count(tokenizer, messages, spec.answer_prefix),
+        prompt_tokens=prompt_token_count(tokenizer, messages, prefix, plain),
         filler_tokens=count_tokens(tokenizer, filler_text),
+        **({"raw_prompt": True} if plain else {}),
     )
     return Example(
         id=f"{NAME}/{needle}/{filler}/len{context_length}/depth{depth:g}/seed{seed}/{index}"
@@ -174,7 +179,7 @@ def niah_example(
         answers=(value,),
         metric=METRIC,
         max_new_tokens=max_new_tokens,
-        answer_prefix=spec.answer_prefix,
+        answer_prefix=prefix,
         meta=meta,
         question=spec.question,
         protocol=protocol,

@@ -6,13 +6,14 @@ names plus `REPORT`, the grid that writes docs/results.md (`caote.evaluation.gri
 
 from __future__ import annotations
 
-from caote.evaluation import longbench, niah, perplexity, ruler
+from caote.evaluation import longbench, niah, passkey, perplexity, ruler
 from caote.evaluation.tasks import Task
 
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
         niah.TASK,
+        passkey.TASK,
         ruler.TASK,
         longbench.TASK,
         perplexity.TASK,

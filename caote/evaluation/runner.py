@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from caote.arguments import warn_once_if_threads_share_cores
-from caote.defaults import DEFAULT_BLOCK_SIZE
+from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL
 from caote.evaluation.calibration import check_disjoint
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.data import prompt_text
@@ -33,6 +33,7 @@ from caote.evaluation.tasks import Text
 from caote.generation import announce_predictor, generate_ids
 from caote.pipeline import CaoteTextGenerationPipeline
 from caote.predictor import Predictor
+from caote.settings import CacheSettings
 
 
 def progress_bar(total: int, description: str, enabled: bool, rank: int):
@@ -71,6 +72,7 @@ def run_rows(config: EvalConfig, model, tokenizer, rank: int = 0, world: int = 1
         extra={"seed": config.seed, "split": config.split},
         max_new_tokens=config.max_new_tokens,
         bar=bar,
+        prefill=config.prefill,
     )
 
 
@@ -84,20 +86,11 @@ def prompt_ids(tokenizer, example: Example) -> torch.Tensor:
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
 
-def answer(
-    model,
-    tokenizer,
-    input_ids: torch.Tensor,
-    policy: str,
-    budget: int | None,
-    max_new_tokens: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> tuple[str, dict]:
-    """Greedy answer under ``policy`` at ``budget`` (block-wise prefill); returns the text and cache statistics."""
+def answer(model, tokenizer, input_ids: torch.Tensor, settings: CacheSettings, max_new_tokens: int) -> tuple[str, dict]:
+    """Greedy answer under the cell's ``settings`` (its prefill mode included); returns the text and cache
+    statistics."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    new_ids, stats = generate_ids(
-        model, input_ids, cell_settings(policy, budget, block_size), max_new_tokens, pad_token_id=pad
-    )
+    new_ids, stats = generate_ids(model, input_ids, settings, max_new_tokens, pad_token_id=pad)
     return tokenizer.decode(new_ids, skip_special_tokens=True), {
         "new_tokens": len(new_ids),
         "tokens_kept": stats.tokens_kept,
@@ -105,9 +98,7 @@ def answer(
     }
 
 
-def answer_after_context(
-    pipe, example: Example, policy: str, budget: int | None, max_new_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE
-) -> tuple[str, dict]:
+def answer_after_context(pipe, example: Example, settings: CacheSettings, max_new_tokens: int) -> tuple[str, dict]:
     """Greedy answer under a question-after protocol: the context compressed first, then the question appended
     (uncompressed or within the budget, as `caote.evaluation.examples.PROTOCOLS` says), through the
     ``caote-text-generation`` pipeline ``pipe``."""
@@ -116,7 +107,7 @@ def answer_after_context(
         question=example.question,
         answer_prefix=example.answer_prefix,
         chat=False if example.meta.get("raw_prompt") else None,
-        settings=cell_settings(policy, budget, block_size),
+        settings=settings,
         max_new_tokens=max_new_tokens,
         compress=PROTOCOLS[example.protocol],
         return_stats=True,
@@ -141,6 +132,7 @@ def run_examples(
     extra: dict | None = None,
     max_new_tokens: int | None = None,
     bar=None,
+    prefill: str = DEFAULT_PREFILL,
 ) -> int:
     """Answer this process's share of ``examples`` under full + ``policies`` x ``budgets``; returns rows written.
 
@@ -152,7 +144,7 @@ def run_examples(
     cells = [
         (policy, budget) for policy in with_reference(policies) for budget in ([None] if policy == FULL else budgets)
     ]
-    settings_of = {cell: cell_settings(*cell, block_size).for_model(model) for cell in cells}  # auto resolved once
+    settings_of = {cell: cell_settings(*cell, block_size, prefill=prefill).for_model(model) for cell in cells}
     announce_predictor(model, *settings_of.values())
     work = [(example, *cell) for example in mine for cell in cells]
     with RowStore(out, rank) as store:
@@ -165,7 +157,7 @@ def run_examples(
         ids_cache: dict[str, torch.Tensor] = {}
         pipe = None
         for example, policy, budget in work:
-            key = row_key(model_name, example.id, policy, budget)
+            key = row_key(model_name, example.id, policy, budget, prefill)
             if key in store:
                 if own_bar:  # a bar handed in counts the stored rows in its start (`caote.evaluation.report.run_parts`)
                     bar.update(1)
@@ -174,16 +166,16 @@ def run_examples(
                 ids_cache = {example.id: prompt_ids(tokenizer, example)}
             input_ids = ids_cache[example.id]
             new_tokens = min(example.max_new_tokens, max_new_tokens or example.max_new_tokens)
-            full_row = store.get(row_key(model_name, example.id, FULL, None))
+            full_row = store.get(row_key(model_name, example.id, FULL, None, prefill))
             started = time.perf_counter()
             if budget is not None and full_row is not None and budget >= input_ids.shape[1] + new_tokens:
                 prediction, stats, evicted = full_row["prediction"], {}, False
             elif example.protocol == "in-prompt":
-                prediction, stats = answer(model, tokenizer, input_ids, policy, budget, new_tokens, block_size)
+                prediction, stats = answer(model, tokenizer, input_ids, settings_of[policy, budget], new_tokens)
                 evicted = budget is not None
             else:
                 pipe = pipe or CaoteTextGenerationPipeline(model=model, tokenizer=tokenizer)
-                prediction, stats = answer_after_context(pipe, example, policy, budget, new_tokens, block_size)
+                prediction, stats = answer_after_context(pipe, example, settings_of[policy, budget], new_tokens)
                 evicted = budget is not None
             row = {
                 "key": key,
@@ -195,6 +187,7 @@ def run_examples(
                 "policy": policy,
                 "budget": budget,
                 "block_size": block_size,
+                "prefill": prefill,
                 "metric": example.metric,
                 "prompt_tokens": int(input_ids.shape[1]),
                 "max_new_tokens": new_tokens,

@@ -1,0 +1,150 @@
+"""Page-granular eviction (``/page<size>``) and prefill, then compress (``prefill="compress"``).
+
+Pages: every token carries its page's score, so a page goes as a whole; the layer still holds exactly its budget
+(at most one page per KV head in part), exact against a full cache when nothing is evicted, in place as in arrival
+order, padded rows as alone (tests/test_in_place.py and tests/test_correctness.py run the paged policies listed
+there). Compress: the whole prompt in one forward, evicted once, then decoding bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import greedy, random_ids
+from transformers import DynamicCache
+
+from caote.cache import EvictionCache
+from caote.layer import EvictionLayer
+from caote.pages import page_ids, page_scores
+from caote.policies import parse_policy
+from caote.settings import CacheSettings
+from caote.testing import tiny_model
+
+PAGED = ["tova+caote/page8", "h2o/page16", "snapkv+caote/page8-max", "learned+caote/page8"]
+
+
+def test_a_page_is_its_positions_divided_by_the_size_whatever_the_slot_order():
+    positions = torch.tensor([[[9, 0, 1, 8, -1, 17, 16, -2]]])
+    pages = page_ids(positions, 8)[0, 0].tolist()
+    assert pages[1] == pages[2] and pages[0] == pages[3] and pages[5] == pages[6]  # {0, 1}, {8, 9}, {16, 17}
+    assert len({pages[1], pages[0], pages[5], pages[4], pages[7]}) == 5  # padding and a free slot: pages of their own
+    assert max(pages) < positions.shape[-1]  # dense
+
+
+def test_a_page_carries_the_sum_or_the_maximum_of_its_tokens_scores():
+    positions = torch.tensor([[[0, 1, 2, 3, 4, 5, -1]]])
+    scores = torch.tensor([[[1.0, 2.0, 5.0, 0.5, 0.25, 0.25, float("-inf")]]])
+    assert page_scores(scores, positions, 2, "sum")[0, 0].tolist() == [3.0, 3.0, 5.5, 5.5, 0.5, 0.5, float("-inf")]
+    assert page_scores(scores, positions, 2, "max")[0, 0].tolist() == [2.0, 2.0, 5.0, 5.0, 0.25, 0.25, float("-inf")]
+
+
+@pytest.mark.parametrize("policy", PAGED)
+def test_a_paged_policy_whose_budget_holds_everything_decodes_as_a_full_cache(policy):
+    model = tiny_model("llama")
+    ids = random_ids(40, seed=3)
+    expected = greedy(model, ids, DynamicCache(config=model.config), new_tokens=8)
+    with EvictionCache(model, budget=64, policy=policy, block_size=16) as cache:
+        assert torch.equal(greedy(model, ids, cache, new_tokens=8, block_size=16), expected)
+
+
+def held_pages(layer: EvictionLayer, size: int, protected_from: int) -> list[dict[int, int]]:
+    """Per KV head, how many tokens of each page it holds among positions from ``protected_from`` down to the sinks."""
+    positions = layer.kept_positions()[0]
+    return [
+        {page: int(((row // size) == page).sum()) for page in set((row // size).tolist())}
+        for row in (head[(head >= 4) & (head < protected_from)] for head in positions)
+    ]
+
+
+@pytest.mark.parametrize("prefill", ["blocks", "compress"])
+@pytest.mark.parametrize("policy", ["tova+caote/page8", "h2o+caote/page16-max"])
+def test_whole_pages_go_and_each_layer_holds_exactly_its_budget(policy, prefill):
+    model = tiny_model("llama", num_key_value_heads=2)
+    size = parse_policy(policy).page
+    ids = random_ids(150, seed=7)
+    settings = CacheSettings(budget=60, policy=policy, block_size=16, prefill=prefill)
+    with EvictionCache(model, settings) as cache:
+        with torch.no_grad():
+            model.generate(
+                ids, cache=cache, prefill_chunk_size=settings.prefill_chunk_size, max_new_tokens=1, do_sample=False
+            )
+        for layer in cache.layers:
+            assert layer.retained == 60
+            newest = int(layer.kept_positions().max()) - settings.recent + 1
+            for counts in held_pages(layer, size, newest - newest % size):  # pages wholly outside the window
+                partial = [page for page, count in counts.items() if count < size and page * size >= 4]
+                assert len(partial) <= 1, counts
+
+
+@pytest.mark.parametrize("policy", ["tova+caote/page8", "h2o/page16"])
+def test_decoding_erodes_the_lowest_page_and_never_exceeds_the_budget(policy):
+    model = tiny_model("llama")
+    ids = random_ids(70, seed=2)
+    with EvictionCache(model, budget=40, policy=policy, block_size=16) as cache:
+        greedy(model, ids, cache, new_tokens=20, block_size=16)
+        assert all(layer.retained <= 40 for layer in cache.layers)
+        assert cache.stats().tokens_kept == 40
+
+
+def test_compress_reads_the_whole_prompt_once_and_keeps_what_one_block_of_the_whole_prompt_keeps(caplog):
+    model = tiny_model("llama")
+    ids = random_ids(100, seed=5)
+    compress = CacheSettings(budget=48, policy="snapkv+caote/page8", prefill="compress")
+    assert compress.prefill_chunk_size is None
+    with caplog.at_level(logging.WARNING), EvictionCache(model, compress) as cache:
+        got = greedy(model, ids, cache, new_tokens=6, block_size=compress.prefill_chunk_size)
+        stats = cache.stats()
+    assert not [record for record in caplog.records if "not bounded by the budget" in record.getMessage()]
+    one_block = CacheSettings(budget=48, policy="snapkv+caote/page8", block_size=100)
+    with EvictionCache(model, one_block) as cache:
+        assert torch.equal(greedy(model, ids, cache, new_tokens=6, block_size=100), got)
+    layers = model.config.num_hidden_layers
+    per_token = stats.full_kv_bytes // stats.tokens_seen // layers  # bytes of one token in one layer
+    assert stats.tokens_kept == 48
+    assert stats.peak_kv_bytes == per_token * (100 + 48 * (layers - 1))  # one layer whole, the others at the budget
+
+
+def test_generate_and_the_pipeline_take_the_prefill_mode(tokenizer):
+    from transformers import pipeline
+
+    import caote
+
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    text = "The grass is green and the sky is blue. " * 30
+    result = caote.generate(model, tokenizer, text, budget=40, prefill="compress", max_new_tokens=4, return_stats=True)
+    assert result.stats.tokens_kept == 40
+    pipe = pipeline("caote-text-generation", model=model, tokenizer=tokenizer)
+    output = pipe(text, chat=False, budget=40, prefill="compress", max_new_tokens=4, return_stats=True)
+    assert output["stats"][0].tokens_kept == 40
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"policy": "tova/page0"}, "page size must be an integer >= 1, got 0"),
+        ({"policy": "tova+caote/page600"}, "page size 600 of policy 'tova\\+caote/page600' is larger than the 507"),
+        ({"policy": "streamingllm/page8"}, "keeps the newest tokens"),
+        ({"policy": "full/page8"}, "keeps every token"),
+        ({"policy": "tova/page8-min"}, "'-sum' \\(default\\) or '-max'"),
+        ({"policy": "tova+caote/page8/mean"}, "'/page<size>' comes last"),
+        ({"prefill": "whole"}, "prefill must be one of blocks, compress, got 'whole'"),
+    ],
+)
+def test_bad_pages_and_prefill_modes_are_refused_in_one_line(values, message):
+    with pytest.raises(ValueError, match=message):
+        CacheSettings(budget=512, **values)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["--policy", "tova/page0"], ["--policy", "h2o/page300", "--budget", "256"], ["--prefill", "all"]],
+)
+def test_the_command_line_refuses_them_with_exit_code_2(arguments, capsys):
+    from caote.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hello", *arguments])
+    assert exit_info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
