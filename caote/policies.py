@@ -25,7 +25,7 @@ import torch
 
 from caote import bounds, pages, value_aware
 from caote.bases import BASE_SCORES, BaseScore, ScoreInputs
-from caote.defaults import AUTO_POLICY, AUTO_TRAINING_FREE, PAPER_GROUP
+from caote.defaults import AUTO_COMPRESS, AUTO_POLICY, AUTO_TRAINING_FREE, PAPER_GROUP
 from caote.positions import held
 
 
@@ -368,7 +368,8 @@ def describe(name: str) -> str:
         return (
             "the default: the model's learned policy when its predictor's validation says it helps, else the "
             f"training-free one of lowest KL on the long grid at the budget among those decoding at 0.9x or more of a "
-            f"full cache of the same size ({choices}) [this library]"
+            f"full cache of the same size ({choices}); with the prompt read whole, then compressed (prefill "
+            f"compress), {AUTO_COMPRESS} for retrieval [this library]"
         )
     policy = parse_policy(name)
     if policy.base is None:

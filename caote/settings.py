@@ -5,7 +5,8 @@ and hands it on as it is; nothing downstream validates again. Each default is wr
 
 The policy ``"auto"`` (the default) is resolved in two steps: without a model, to the training-free policy of the
 budget (`caote.policies.auto_training_free`); where the model is known (`CacheSettings.for_model`, called by
-`caote.cache.EvictionCache`), to the learned policy when the model's predictor helps.
+`caote.cache.EvictionCache`), to the learned policy when the model's predictor helps. With ``prefill="compress"``
+auto is the paged policy for retrieval, `caote.defaults.AUTO_COMPRESS`, on every model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 from caote.defaults import (
+    AUTO_COMPRESS,
     AUTO_LEARNED,
     AUTO_POLICY,
     DEFAULT_BLOCK_SIZE,
@@ -65,7 +67,8 @@ class CacheSettings:
         window.
     policy:
         ``"auto"`` (the default: the model's learned policy when its predictor's validation says it helps, else
-        ``caote-block`` below budget 512 and ``snapkv+caote`` from 512, the lowest KL of the long grid),
+        ``tova+caote`` below budget 512 and ``h2o+caote`` from 512, `caote.defaults.AUTO_TRAINING_FREE`; with
+        ``prefill="compress"``, `caote.defaults.AUTO_COMPRESS`, whole pages for retrieval),
         ``"full"``, a base (``"streamingllm"``, ``"h2o"``, ``"tova"``, ``"snapkv"``, ...: ``caote policies`` lists
         them all) or ``"<base>+caote"`` / ``"<base>+fastcaote"`` (see `caote.policies`).
     block_size:
@@ -129,7 +132,11 @@ class CacheSettings:
         auto = self.auto or is_auto(self.policy)
         budget = integer("budget", self.budget, 1)
         policy = self.policy if isinstance(self.policy, Policy) or is_auto(self.policy) else parse_policy(self.policy)
-        if auto and not (isinstance(policy, Policy) and policy.reads_predictor):
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
+        if auto and self.prefill == "compress":  # retrieval: pages, whatever the model's predictor says
+            policy = parse_policy(AUTO_COMPRESS)
+        elif auto and not (isinstance(policy, Policy) and policy.reads_predictor):
             policy = parse_policy(auto_training_free(budget))
         values = {
             "policy": policy,
@@ -150,8 +157,6 @@ class CacheSettings:
             )
         if not isinstance(self.compile_decode, bool):
             raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}")
-        if self.prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
         if self.gqa not in GQA_AGGREGATIONS:
             raise ValueError(f"gqa must be one of {', '.join(GQA_AGGREGATIONS)}, got {self.gqa!r}")
         for name, value in values.items():
@@ -231,8 +236,9 @@ class CacheSettings:
 
     def for_model(self, model) -> CacheSettings:
         """These settings as ``model`` runs them: auto upgraded to the learned policy its predictor's validation
-        names when the verdict is that it helps (`caote.predictor.Predictor.helps`), else as they are."""
-        found = self.predictor_for(model) if self.auto else None
+        names when the verdict is that it helps (`caote.predictor.Predictor.helps`) and the prompt is read in blocks,
+        else as they are."""
+        found = self.predictor_for(model) if self.auto and self.prefill == "blocks" else None
         if found is None or not found[0].helps:
             return self
         return self.replace(policy=found[0].validation.get("learned", AUTO_LEARNED), auto=True)

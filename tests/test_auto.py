@@ -18,7 +18,7 @@ from caote import predictor as predictor_files
 from caote.benchmark.stats import DECODE_VS_FULL_AT_BUDGET_TARGET as DECODE_LIMIT
 from caote.cache import EvictionCache
 from caote.cli import build_parser, main
-from caote.defaults import AUTO_TRAINING_FREE, DEFAULT_BUDGET
+from caote.defaults import AUTO_COMPRESS, AUTO_TRAINING_FREE, DEFAULT_BUDGET
 from caote.evaluation import runner
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.grids import LONG_GRID
@@ -85,6 +85,13 @@ def test_a_predictor_that_does_not_help_leaves_auto_training_free(llama, tmp_pat
     path = predictor_file(llama, tmp_path, "does not help")
     assert EvictionCache(llama, budget=256, predictor=path).policy.name == "tova+caote"
     assert EvictionCache(llama, budget=1024, predictor=path).policy.name == "h2o+caote"
+
+
+def test_auto_reading_the_whole_prompt_takes_the_paged_retrieval_policy_even_where_a_predictor_helps(llama, tmp_path):
+    settings = CacheSettings(budget=256, prefill="compress", predictor=predictor_file(llama, tmp_path, "helps"))
+    assert settings.auto and settings.policy.name == AUTO_COMPRESS
+    assert EvictionCache(llama, settings).policy.name == AUTO_COMPRESS
+    assert EvictionCache(llama, settings.replace(prefill="blocks")).policy.name == "learned+caote"
 
 
 def test_a_given_predictor_that_cannot_serve_the_model_is_refused_not_skipped(llama, tmp_path):

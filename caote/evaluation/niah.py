@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from caote.evaluation.data import count_tokens, haystack, insert_sentences, prompt_token_count, split_sentences
 from caote.evaluation.examples import Example
@@ -197,13 +197,14 @@ def niah_examples(
     filler: str = "repeat",
     max_new_tokens: int = 16,
     protocols: Sequence[str] = ("in-prompt",),
+    plain: bool = False,
 ) -> list[Example]:
     """The full grid: for each context length, depth, needle, sample index and protocol, one `niah_example`."""
     unknown = sorted(set(needles) - set(NEEDLES))
     if unknown:
         raise ValueError(f"unknown needles {unknown}; expected some of {sorted(NEEDLES)}")
     return [
-        niah_example(tokenizer, length, depth, needle, seed, split, filler, max_new_tokens, index, protocol)
+        niah_example(tokenizer, length, depth, needle, seed, split, filler, max_new_tokens, index, protocol, plain)
         for length in context_lengths
         for depth in depths
         for needle in needles
@@ -217,39 +218,45 @@ def niah_examples(
 DEFAULT_DEPTHS = (10, 50, 90)
 
 
-def examples(config, tokenizer) -> list[Example]:
-    """`niah_examples` over the config's context lengths and depths (default 10, 50, 90 %), one sample per cell
-    unless ``config.samples`` says otherwise."""
-    return niah_examples(
-        tokenizer,
-        context_lengths=config.lengths,
-        depths=config.depths or DEFAULT_DEPTHS,
-        samples_per_cell=config.samples or 1,
-        seed=config.seed,
-        split=config.split,
-        protocols=config.protocols or ("in-prompt",),
+def needle_task(name: str, title: str, headline: str, depths: tuple[float, ...], plain: bool, what: str) -> Task:
+    """A pass-key task over the config's context lengths, depths (default ``depths``), samples (default one per
+    cell) and protocols: `niah_examples` in the chat template, or ``plain`` text; ``what`` opens its Setup line."""
+
+    def examples(config, tokenizer) -> list[Example]:
+        made = niah_examples(
+            tokenizer,
+            context_lengths=config.lengths,
+            depths=config.depths or depths,
+            samples_per_cell=config.samples or 1,
+            seed=config.seed,
+            split=config.split,
+            protocols=config.protocols or ("in-prompt",),
+            plain=plain,
+        )
+        return made if name == NAME else [replace(example, id=f"{name}/{example.id}", task=name) for example in made]
+
+    def count(config) -> int:
+        protocols = len(config.protocols or ("in-prompt",))
+        return len(config.lengths) * len(config.depths or depths) * (config.samples or 1) * protocols
+
+    def describe(config, rows: list[dict]) -> str:
+        return (
+            f"{what}, context {joined(config.lengths)} tokens × depths {joined(config.depths or depths, '%')} × "
+            f"{config.samples or 1} sample(s) × protocol {joined(config.protocols or ('in-prompt',))}; substring "
+            f"match ({len(rows)} rows)."
+        )
+
+    return Task(
+        name=name,
+        title=title,
+        metrics=(MetricSpec("score", "accuracy", 2, higher_is_better=True, binary=True, headline=headline),),
+        examples=examples,
+        count=count,
+        describe=describe,
+        figures=("niah_heatmaps",),
     )
 
 
-def count(config) -> int:
-    protocols = len(config.protocols or ("in-prompt",))
-    return len(config.lengths) * len(config.depths or DEFAULT_DEPTHS) * (config.samples or 1) * protocols
-
-
-def describe(config, rows: list[dict]) -> str:
-    return (
-        f"NIAH: passkey in repetitive filler, context {joined(config.lengths)} tokens × depths "
-        f"{joined(config.depths or DEFAULT_DEPTHS, '%')} × {config.samples or 1} sample(s) × protocol "
-        f"{joined(config.protocols or ('in-prompt',))}; substring match ({len(rows)} rows)."
-    )
-
-
-TASK = Task(
-    name=NAME,
-    title="Needle in a haystack",
-    metrics=(MetricSpec("score", "accuracy", 2, higher_is_better=True, binary=True, headline="NIAH acc"),),
-    examples=examples,
-    count=count,
-    describe=describe,
-    figures=("niah_heatmaps",),
+TASK = needle_task(
+    NAME, "Needle in a haystack", "NIAH acc", DEFAULT_DEPTHS, False, "NIAH: passkey in repetitive filler"
 )
