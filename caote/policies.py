@@ -4,8 +4,7 @@ A policy name is ``<base>`` or ``<base>+caote`` / ``<base>+fastcaote`` (e.g. ``"
 (no eviction). A value-aware name may end in ``/<gqa>`` (``"tova+caote/mean"``) to fix how the CAOTE errors of a
 KV group's query heads combine (`caote.value_aware.GQA_AGGREGATIONS`), e.g. for an ablation in one evaluation grid.
 Any evicting policy that scores may end in ``/page<size>`` (``"tova+caote/page32"``, after a ``/<gqa>``): tokens are
-ranked by the summed score of their page of ``size`` positions, so whole pages go (`caote.pages`); ``/page<size>-max``
-ranks a page by its best token instead.
+ranked by the summed score of their page of ``size`` positions, so whole pages go (`caote.pages`).
 ``"auto"`` names no policy of its own but one of these, chosen per model and budget (`is_auto`, `auto_thresholds`;
 resolved by `caote.settings.CacheSettings`).
 
@@ -61,7 +60,6 @@ class Policy:
     transform: str = "none"
     gqa: str | None = None  # the name's own GQA aggregation (``/mean``), overriding the cache's
     page: int | None = None  # ``/page<size>``: tokens ranked by their page's score (`caote.pages`); None: by their own
-    page_reduction: str = pages.DEFAULT_REDUCTION  # how a page's score combines its tokens' (`caote.pages.REDUCTIONS`)
 
     @property
     def evicts(self) -> bool:
@@ -139,7 +137,7 @@ class Policy:
         if self.base.layer_wide:  # one decision for all KV heads: combine them as one more group
             scores = value_aware.aggregate_groups(scores.unsqueeze(1), how).expand_as(scores)
         if self.page is not None:
-            scores = pages.page_scores(scores, inputs.positions, self.page, self.page_reduction)
+            scores = pages.page_scores(scores, inputs.positions, self.page, inputs.protected)
         return scores
 
     # -- selection: inputs -> scores -> protect -> keep top-b (kvpress's ``compress``) -----------------------------
@@ -227,22 +225,14 @@ def in_position_order(inputs: ScoreInputs, order: torch.Tensor) -> ScoreInputs:
     )
 
 
-def policy_name(
-    base: str,
-    transform: str = "none",
-    gqa: str | None = None,
-    page: int | None = None,
-    page_reduction: str = pages.DEFAULT_REDUCTION,
-) -> str:
+def policy_name(base: str, transform: str = "none", gqa: str | None = None, page: int | None = None) -> str:
     """The name `parse_policy` reads as ``base`` under ``transform`` (``"none"``: the plain base) with its own GQA
     aggregation ``gqa`` and pages of ``page`` positions: ``policy_name("tova", "caote", "mean") == "tova+caote/mean"``,
-    ``policy_name("h2o", page=32, page_reduction="max") == "h2o/page32-max"`` (not validated, so a report may look up
-    a policy its rows lack)."""
+    ``policy_name("h2o", page=32) == "h2o/page32"`` (not validated, so a report may look up a policy its rows
+    lack)."""
     name = base if transform == "none" else f"{base}+{transform}"
     name = name if gqa is None else f"{name}/{gqa}"
-    if page is None:
-        return name
-    return f"{name}/page{page}" + ("" if page_reduction == pages.DEFAULT_REDUCTION else f"-{page_reduction}")
+    return name if page is None else f"{name}/page{page}"
 
 
 def policy_names(hindsight: bool = False) -> list[str]:
@@ -265,7 +255,7 @@ POLICY_GROUPS: dict[str, list[str]] = {
 }
 
 
-PAGE_SUFFIX = re.compile(r"page(\d+)(?:-(\w+))?")
+PAGE_SUFFIX = re.compile(r"page(\d+)")
 
 
 def parse_policy(name: str) -> Policy:
@@ -274,7 +264,9 @@ def parse_policy(name: str) -> Policy:
         stem, _, suffix = name.strip().lower().rpartition("/")
         page = PAGE_SUFFIX.fullmatch(suffix)
         if page is not None:
-            return paged(parse_policy(stem), name, int(page.group(1)), page.group(2) or pages.DEFAULT_REDUCTION)
+            return paged(parse_policy(stem), name, int(page.group(1)))
+        if suffix.startswith("page"):
+            raise ValueError(f"policy {name!r}: '/page<size>' takes a whole number of positions, e.g. '/page16'")
         policy = parse_policy(stem)
         if "/" in stem or not policy.value_aware or suffix not in value_aware.GQA_AGGREGATIONS:
             raise ValueError(
@@ -294,8 +286,8 @@ def parse_policy(name: str) -> Policy:
     return Policy(name, BASE_SCORES[base], transform or "none")
 
 
-def paged(policy: Policy, name: str, size: int, reduction: str) -> Policy:
-    """``policy`` ranking its tokens by pages of ``size`` positions (``name``'s ``/page<size>[-<reduction>]``)."""
+def paged(policy: Policy, name: str, size: int) -> Policy:
+    """``policy`` ranking its tokens by pages of ``size`` positions (``name``'s ``/page<size>``)."""
     if policy.page is not None:
         raise ValueError(f"policy {name!r} names a page size twice")
     if not policy.evicts or policy.base.kept_by_recency is not None:
@@ -303,12 +295,7 @@ def paged(policy: Policy, name: str, size: int, reduction: str) -> Policy:
         raise ValueError(f"policy {name!r}: {policy.name} {what}, so pages change nothing; leave '/page' out")
     if size < 1:
         raise ValueError(f"policy {name!r}: the page size must be an integer >= 1, got {size}")
-    if reduction not in pages.REDUCTIONS:
-        raise ValueError(
-            f"policy {name!r}: a page's score is the '-sum' (default) or '-max' of its tokens', got '-{reduction}'"
-        )
-    label = policy_name(policy.base_name, policy.transform, policy.gqa, size, reduction)
-    return replace(policy, name=label, page=size, page_reduction=reduction)
+    return replace(policy, name=policy_name(policy.base_name, policy.transform, policy.gqa, size), page=size)
 
 
 def is_auto(name) -> bool:

@@ -30,7 +30,7 @@ from caote.defaults import (
     DEFAULT_SINK_TOKENS,
     PREFILL_MODES,
 )
-from caote.policies import Policy, auto_training_free, is_auto, parse_policy
+from caote.policies import Policy, auto_training_free, is_auto, parse_policy, policy_name
 from caote.predictor import Predictor
 from caote.value_aware import GQA_AGGREGATIONS
 
@@ -150,10 +150,11 @@ class CacheSettings:
         }
         if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
             raise ValueError(f"predictor must be the path of a file written by caote calibrate, got {self.predictor!r}")
-        if self.predictor is not None and not (auto or policy.reads_predictor):
+        if self.predictor is not None and not ((auto and self.prefill == "blocks") or policy.reads_predictor):
             raise ValueError(
                 f"policy {policy.name!r} reads no predictor, so predictor={str(self.predictor)!r} would be ignored: "
-                "use it with a learned policy (e.g. 'learned+caote') or 'auto', or leave it out"
+                "use it with a learned policy (e.g. 'learned+caote') or 'auto' reading its prompt in blocks, or "
+                "leave it out"
             )
         if not isinstance(self.compile_decode, bool):
             raise ValueError(f"compile_decode must be True or False, got {self.compile_decode!r}")
@@ -165,7 +166,8 @@ class CacheSettings:
         object.__setattr__(self, "recent", self._check_room(policy))
 
     def _check_room(self, policy: Policy) -> int:
-        """The recent window in effect; refuses a budget that leaves an evicting policy nothing to choose from."""
+        """The recent window in effect; refuses a budget that leaves an evicting policy nothing to choose from, and a
+        page larger than the room it leaves (auto's pages shrink to that room instead)."""
         if not policy.evicts:  # the full cache never evicts: any budget serves it
             return 0 if self.recent_window is None else self.recent_window
         recent = self.recent_window
@@ -182,6 +184,9 @@ class CacheSettings:
                 f"budget - interval + 1 must exceed {protected}"
             )
         room = self.budget - self.sink_tokens - recent
+        if policy.page is not None and policy.page > room and self.auto:  # auto's pages shrink to fit a small budget
+            policy = parse_policy(policy_name(policy.base_name, policy.transform, policy.gqa, room))
+            object.__setattr__(self, "policy", policy)
         if policy.page is not None and policy.page > room:
             raise ValueError(
                 f"page size {policy.page} of policy {policy.name!r} is larger than the {room} tokens budget "
@@ -224,7 +229,7 @@ class CacheSettings:
         where it comes from, for `caote.predictor.Predictor.verdict_line`: the file ``predictor`` names, else the one
         shipped for the model. None when they read none, or auto finds none shipped; a file that cannot serve the
         model (named or shipped) is refused in one line, as is a learned policy without a predictor."""
-        if not (self.auto or self.policy.reads_predictor):
+        if not ((self.auto and self.prefill == "blocks") or self.policy.reads_predictor):
             return None
         if self.predictor is None and not self.policy.reads_predictor:  # auto, asking only for a shipped one
             predictor = Predictor.shipped_for(model, self.budget)

@@ -88,10 +88,14 @@ def test_a_predictor_that_does_not_help_leaves_auto_training_free(llama, tmp_pat
 
 
 def test_auto_reading_the_whole_prompt_takes_the_paged_retrieval_policy_even_where_a_predictor_helps(llama, tmp_path):
-    settings = CacheSettings(budget=256, prefill="compress", predictor=predictor_file(llama, tmp_path, "helps"))
+    path = predictor_file(llama, tmp_path, "helps")
+    assert EvictionCache(llama, CacheSettings(budget=256, predictor=path)).policy.name == "learned+caote"
+    settings = CacheSettings(budget=256, prefill="compress")
     assert settings.auto and settings.policy.name == AUTO_COMPRESS
     assert EvictionCache(llama, settings).policy.name == AUTO_COMPRESS
-    assert EvictionCache(llama, settings.replace(prefill="blocks")).policy.name == "learned+caote"
+    with pytest.raises(ValueError, match="^policy 'tova\\+caote/page16' reads no predictor"):
+        settings.replace(predictor=path)  # auto would ignore it
+    assert CacheSettings(budget=20, prefill="compress").policy.name == "tova+caote/page15"  # pages fit the room
 
 
 def test_a_given_predictor_that_cannot_serve_the_model_is_refused_not_skipped(llama, tmp_path):
@@ -129,7 +133,10 @@ def test_replace_chooses_again_for_a_new_budget_and_a_named_policy_ends_auto():
 
 def test_auto_accepts_a_predictor_which_every_other_non_learned_policy_refuses():
     assert CacheSettings(budget=256, predictor="p.safetensors").predictor == "p.safetensors"
-    with pytest.raises(ValueError, match="^policy 'caote-block' reads no predictor, .* or 'auto', or leave it out$"):
+    with pytest.raises(
+        ValueError,
+        match="^policy 'caote-block' reads no predictor, .* or 'auto' reading its prompt in blocks, or leave it out$",
+    ):
         CacheSettings(budget=256, policy="caote-block", predictor="p.safetensors")
 
 

@@ -354,3 +354,16 @@ def test_summary_records_put_the_full_reference_beside_each_cell():
     assert all(r["ci_high"] == 0.0 for r in continuous)
     table = tables.markdown_table(list(records.values()))
     assert "**full (reference)**" in table and "| tova | 1.00 [" in table
+
+
+def test_rows_of_the_two_prefill_modes_never_share_a_folder(big_vocab_model, tokenizer, tmp_path):
+    examples = _examples(1)
+    assert runner.run_examples(big_vocab_model, tokenizer, examples, ["tova"], [24], tmp_path, "tiny", "toy") == 2
+    with pytest.raises(ValueError, match="holds rows read with prefill blocks; write prefill compress's to another"):
+        runner.run_examples(
+            big_vocab_model, tokenizer, examples, ["tova"], [24], tmp_path, "tiny", "toy", prefill="compress"
+        )
+    written = runner.run_examples(
+        big_vocab_model, tokenizer, examples, ["tova"], [24], tmp_path / "compress", "tiny", "toy", prefill="compress"
+    )
+    assert written == 2 and {row["prefill"] for row in load_rows(tmp_path / "compress")} == {"compress"}

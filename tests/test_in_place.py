@@ -21,7 +21,8 @@ BUDGET, BLOCK = 40, 16
 # every policy, and paged ones (`caote.pages`): whole pages ranked alike in place and in arrival order
 CAUSAL = [name for name in policy_names() if name != "full"] + [
     "tova+caote/page8",
-    "snapkv+caote/page4-max",
+    "snapkv+caote/page4",
+    "keydiff/page8",
     "h2o/page16",
 ]
 

@@ -22,7 +22,7 @@ from caote.policies import parse_policy
 from caote.settings import CacheSettings
 from caote.testing import tiny_model
 
-PAGED = ["tova+caote/page8", "h2o/page16", "snapkv+caote/page8-max", "learned+caote/page8"]
+PAGED = ["tova+caote/page8", "h2o/page16", "snapkv+caote/page8", "learned+caote/page8", "keydiff/page8"]
 
 
 def test_a_page_is_its_positions_divided_by_the_size_whatever_the_slot_order():
@@ -33,11 +33,20 @@ def test_a_page_is_its_positions_divided_by_the_size_whatever_the_slot_order():
     assert max(pages) < positions.shape[-1]  # dense
 
 
-def test_a_page_carries_the_sum_or_the_maximum_of_its_tokens_scores():
-    positions = torch.tensor([[[0, 1, 2, 3, 4, 5, -1]]])
-    scores = torch.tensor([[[1.0, 2.0, 5.0, 0.5, 0.25, 0.25, float("-inf")]]])
-    assert page_scores(scores, positions, 2, "sum")[0, 0].tolist() == [3.0, 3.0, 5.5, 5.5, 0.5, 0.5, float("-inf")]
-    assert page_scores(scores, positions, 2, "max")[0, 0].tolist() == [2.0, 2.0, 5.0, 5.0, 0.25, 0.25, float("-inf")]
+def test_a_page_carries_the_sum_of_its_evictable_tokens_scores_shifted_to_the_row_s_lowest():
+    positions = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7, -1]]])
+    scores = torch.tensor([[[9.0, 2.0, 5.0, 0.5, 0.25, 1.25, -1.0, 3.0, float("-inf")]]])
+    protected = torch.tensor([[[True, False, False, False, False, False, False, True, False]]])
+    got = page_scores(scores, positions, 2, protected)[0, 0].tolist()
+    # shifted by the lowest evictable score, -1: pages {1}, {2, 3}, {4, 5}, {6}; the sink, the window and padding alone
+    assert got == [9.0, 3.0, 7.5, 7.5, 3.5, 3.5, 0.0, 3.0, float("-inf")]
+
+
+def test_a_fuller_page_of_a_signed_base_ranks_no_lower_than_its_part():
+    positions = torch.arange(4).view(1, 1, 4)
+    scores = torch.tensor([[[-2.0, -2.0, -3.0, -5.0]]])  # keydiff-like: all negative
+    got = page_scores(scores, positions, 2)[0, 0].tolist()
+    assert got[0] > got[2]  # the page of the two better tokens ranks higher, not lower, for summing two
 
 
 @pytest.mark.parametrize("policy", PAGED)
@@ -58,18 +67,16 @@ def held_pages(layer: EvictionLayer, size: int, protected_from: int) -> list[dic
     ]
 
 
+@pytest.mark.parametrize("new_tokens", [1, 30])
 @pytest.mark.parametrize("prefill", ["blocks", "compress"])
-@pytest.mark.parametrize("policy", ["tova+caote/page8", "h2o+caote/page16-max"])
-def test_whole_pages_go_and_each_layer_holds_exactly_its_budget(policy, prefill):
+@pytest.mark.parametrize("policy", ["tova+caote/page8", "h2o+caote/page16", "keydiff/page8"])
+def test_whole_pages_go_and_each_layer_holds_exactly_its_budget(policy, prefill, new_tokens):
     model = tiny_model("llama", num_key_value_heads=2)
     size = parse_policy(policy).page
     ids = random_ids(150, seed=7)
     settings = CacheSettings(budget=60, policy=policy, block_size=16, prefill=prefill)
     with EvictionCache(model, settings) as cache:
-        with torch.no_grad():
-            model.generate(
-                ids, cache=cache, prefill_chunk_size=settings.prefill_chunk_size, max_new_tokens=1, do_sample=False
-            )
+        greedy(model, ids, cache, new_tokens=new_tokens, block_size=settings.prefill_chunk_size)
         for layer in cache.layers:
             assert layer.retained == 60
             newest = int(layer.kept_positions().max()) - settings.recent + 1
@@ -78,20 +85,10 @@ def test_whole_pages_go_and_each_layer_holds_exactly_its_budget(policy, prefill)
                 assert len(partial) <= 1, counts
 
 
-@pytest.mark.parametrize("policy", ["tova+caote/page8", "h2o/page16"])
-def test_decoding_erodes_the_lowest_page_and_never_exceeds_the_budget(policy):
-    model = tiny_model("llama")
-    ids = random_ids(70, seed=2)
-    with EvictionCache(model, budget=40, policy=policy, block_size=16) as cache:
-        greedy(model, ids, cache, new_tokens=20, block_size=16)
-        assert all(layer.retained <= 40 for layer in cache.layers)
-        assert cache.stats().tokens_kept == 40
-
-
 def test_compress_reads_the_whole_prompt_once_and_keeps_what_one_block_of_the_whole_prompt_keeps(caplog):
     model = tiny_model("llama")
     ids = random_ids(100, seed=5)
-    compress = CacheSettings(budget=48, policy="snapkv+caote/page8", prefill="compress")
+    compress = CacheSettings(budget=48, policy="snapkv+caote/page8", block_size=32, prefill="compress")
     assert compress.prefill_chunk_size is None
     with caplog.at_level(logging.WARNING), EvictionCache(model, compress) as cache:
         got = greedy(model, ids, cache, new_tokens=6, block_size=compress.prefill_chunk_size)
@@ -113,11 +110,14 @@ def test_generate_and_the_pipeline_take_the_prefill_mode(tokenizer):
 
     model = tiny_model("llama", vocab_size=len(tokenizer))
     text = "The grass is green and the sky is blue. " * 30
-    result = caote.generate(model, tokenizer, text, budget=40, prefill="compress", max_new_tokens=4, return_stats=True)
-    assert result.stats.tokens_kept == 40
+    peaks = {}
     pipe = pipeline("caote-text-generation", model=model, tokenizer=tokenizer)
-    output = pipe(text, chat=False, budget=40, prefill="compress", max_new_tokens=4, return_stats=True)
-    assert output["stats"][0].tokens_kept == 40
+    for prefill in ("blocks", "compress"):
+        result = caote.generate(model, tokenizer, text, budget=40, prefill=prefill, max_new_tokens=4, return_stats=True)
+        output = pipe(text, chat=False, budget=40, prefill=prefill, max_new_tokens=4, return_stats=True)
+        assert result.stats.tokens_kept == output["stats"][0].tokens_kept == 40
+        peaks[prefill] = (result.stats.peak_kv_bytes, output["stats"][0].peak_kv_bytes)
+    assert all(whole > blocks for whole, blocks in zip(peaks["compress"], peaks["blocks"]))  # the prompt, read whole
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_generate_and_the_pipeline_take_the_prefill_mode(tokenizer):
         ({"policy": "tova+caote/page600"}, "page size 600 of policy 'tova\\+caote/page600' is larger than the 507"),
         ({"policy": "streamingllm/page8"}, "keeps the newest tokens"),
         ({"policy": "full/page8"}, "keeps every token"),
-        ({"policy": "tova/page8-min"}, "'-sum' \\(default\\) or '-max'"),
+        ({"policy": "tova/page8-max"}, "'/page<size>' takes a whole number of positions"),
         ({"policy": "tova+caote/page8/mean"}, "'/page<size>' comes last"),
         ({"prefill": "whole"}, "prefill must be one of blocks, compress, got 'whole'"),
     ],
@@ -139,12 +139,19 @@ def test_bad_pages_and_prefill_modes_are_refused_in_one_line(values, message):
 
 @pytest.mark.parametrize(
     "arguments",
-    [["--policy", "tova/page0"], ["--policy", "h2o/page300", "--budget", "256"], ["--prefill", "all"]],
+    [
+        ["generate", "hello", "--policy", "tova/page0"],
+        ["generate", "hello", "--policy", "h2o/page300", "--budget", "256"],
+        ["generate", "hello", "--prefill", "all"],
+        ["eval", "passkey", "--policies", "auto", "--budgets", "5", "--prefill", "compress"],
+        ["eval", "perplexity", "--prefill", "compress"],
+    ],
 )
 def test_the_command_line_refuses_them_with_exit_code_2(arguments, capsys):
+    """Before any model loads (the bundled model is not needed for a refusal)."""
     from caote.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "hello", *arguments])
+        main(arguments)
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -61,13 +61,15 @@ def _int_list(option: str, text: str, minimum: int = 1) -> list[int]:
         raise ValueError(f"{option}: {error}") from None
 
 
-def check_budgets(policies: list[str], budgets: list[int], block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+def check_budgets(
+    policies: list[str], budgets: list[int], block_size: int = DEFAULT_BLOCK_SIZE, prefill: str = DEFAULT_PREFILL
+) -> None:
     """Every evicting policy (auto: its training-free choice) must leave room to choose at every budget (the cache's own
     rule, with its defaults; the full cache passes it at any budget)."""
     for name in policies:
         for budget in budgets:
             try:
-                CacheSettings(budget=budget, policy=name, block_size=block_size)
+                CacheSettings(budget=budget, policy=name, block_size=block_size, prefill=prefill)
             except ValueError as error:
                 raise ValueError(f"--budgets: {budget} is too small for {name} ({error})") from None
 
@@ -78,7 +80,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     task = TASKS.get(benchmark)
     policies = _policies(args.policies, benchmark, task)
     budgets = _int_list("--budgets", args.budgets)
-    check_budgets(policies, budgets)
+    prefill = _prefill(getattr(args, "prefill", DEFAULT_PREFILL), benchmark, task)
+    check_budgets(policies, budgets, prefill=prefill)
     lengths = _int_list("--lengths", args.lengths, minimum=16)
     samples = _optional_count("--samples", args.samples)
     seed = _seed(args.seed)
@@ -95,7 +98,6 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     protocols = _protocols(getattr(args, "protocols", None), benchmark)
     max_new_tokens = _optional_count("--max-new-tokens", args.max_new_tokens)
     threads = _optional_count("--threads", args.threads)
-    prefill = _prefill(getattr(args, "prefill", DEFAULT_PREFILL), benchmark, task)
     default_out = Path("results") / (f"{REPORT}-{grid}" if benchmark == REPORT else benchmark)
     if prefill != DEFAULT_PREFILL:
         default_out = default_out.with_name(f"{default_out.name}-{prefill}")

@@ -54,7 +54,8 @@ def cell_settings(
     (``None``), the paper's one token evicted per decode step, the library's defaults otherwise (``predictor``: the
     file of the learned policies and auto, None for the model's committed one; ``prefill``: the prompt read in
     blocks or whole, then compressed, `caote.settings.CacheSettings.prefill`)."""
-    reads_predictor = is_auto(policy) or parse_policy(policy).reads_predictor
+    # auto reads the model's predictor only while it reads the prompt in blocks (`CacheSettings.for_model`)
+    reads_predictor = (prefill == "blocks") if is_auto(policy) else parse_policy(policy).reads_predictor
     return CacheSettings(
         budget=UNBOUNDED if budget is None else budget,
         policy=policy,

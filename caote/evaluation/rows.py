@@ -21,7 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from caote.defaults import DEFAULT_PREFILL
 from caote.evaluation.reference import FULL
 
 # fields that depend on the machine or the sharding, not on the computation (ignored when rows are compared)
@@ -58,11 +57,8 @@ def row_commits(rows) -> list[str]:
     return sorted({str(row.get("commit") or "not recorded") for row in rows})
 
 
-def row_key(model: str, example_id: str, policy: str, budget: int | None, prefill: str = DEFAULT_PREFILL) -> str:
-    """The key of one row: the model, the example, the policy and budget, and a prefill mode other than blocks (so
-    rows of both modes may share a folder and blocks rows keep their keys)."""
-    key = f"{model}\t{example_id}\t{policy}\t{FULL if budget is None else int(budget)}"
-    return key if prefill == DEFAULT_PREFILL else f"{key}\t{prefill}"
+def row_key(model: str, example_id: str, policy: str, budget: int | None) -> str:
+    return f"{model}\t{example_id}\t{policy}\t{FULL if budget is None else int(budget)}"
 
 
 def _parse_row(line: bytes) -> dict:

@@ -148,6 +148,12 @@ def run_examples(
     announce_predictor(model, *settings_of.values())
     work = [(example, *cell) for example in mine for cell in cells]
     with RowStore(out, rank) as store:
+        modes = {row.get("prefill", DEFAULT_PREFILL) for row in store.rows.values()} - {prefill}
+        if modes:  # its summaries would average the two modes' rows of a cell
+            raise ValueError(
+                f"{out} holds rows read with prefill {', '.join(sorted(modes))}; write prefill {prefill}'s to another "
+                "output folder"
+            )
         warn_once_if_threads_share_cores()  # the shard is ours: no refusal can follow the hint
         own_bar = bar is None
         if own_bar:
@@ -157,7 +163,7 @@ def run_examples(
         ids_cache: dict[str, torch.Tensor] = {}
         pipe = None
         for example, policy, budget in work:
-            key = row_key(model_name, example.id, policy, budget, prefill)
+            key = row_key(model_name, example.id, policy, budget)
             if key in store:
                 if own_bar:  # a bar handed in counts the stored rows in its start (`caote.evaluation.report.run_parts`)
                     bar.update(1)
@@ -166,7 +172,7 @@ def run_examples(
                 ids_cache = {example.id: prompt_ids(tokenizer, example)}
             input_ids = ids_cache[example.id]
             new_tokens = min(example.max_new_tokens, max_new_tokens or example.max_new_tokens)
-            full_row = store.get(row_key(model_name, example.id, FULL, None, prefill))
+            full_row = store.get(row_key(model_name, example.id, FULL, None))
             started = time.perf_counter()
             if budget is not None and full_row is not None and budget >= input_ids.shape[1] + new_tokens:
                 prediction, stats, evicted = full_row["prediction"], {}, False
