@@ -97,7 +97,6 @@ def choice_table(results: Path, bench_json: Path) -> str:
     budget = meta["config"]["budget"]
     (kl, texts), niah, cost = _kl_cells(results), _niah_cells(results), _bench_cells(bench)
     examples = _summary(results / NIAH_PARTS[0], "score", PROTOCOLS[0])["full"][1]
-    loads = [*meta["load_average_start"][:1], *meta["load_average_end"][:1]]
     lines = [
         "| policy | KL 1k | KL 4k essays | KL 4k code | KL 8k essays | KL 8k code | pass keys 1k | pass keys 8k "
         "| KV at 8k | prefill time 8k | decode speed 8k | decode speed vs same size |",
@@ -113,11 +112,10 @@ def choice_table(results: Path, bench_json: Path) -> str:
         f"({texts[0]} test essays; {texts[1]} windows of joined essays, {texts[2]} code files), 8k on Gemma-3 270M "
         f"({texts[3]} and {texts[4]}), from [docs/results.md](docs/results.md) and "
         "[docs/results/long.md](docs/results/long.md). The last four columns: `caote bench` on SmolLM2 at 8k tokens "
-        f"and budget {budget}, run {meta['started'][:10]} ({meta['machine']}; load average {loads[0]:.2f} at its "
-        f"start, {loads[1]:.2f} at its end; [benchmarks/results/results.md](benchmarks/results/results.md)): KV "
-        "bytes at the peak; prefill time (lower is faster) and decoding speed (higher is faster) against the full "
-        f"cache's (sdpa; for `full` its own seconds and tokens/s); decoding speed against a full cache that holds only "
-        f"{budget} tokens, which is what the scoring costs."
+        f"and budget {budget} ([benchmarks/results/results.md](benchmarks/results/results.md) states the machine and "
+        "its load): KV bytes at the peak; prefill time (lower is faster) and decoding speed (higher is faster) "
+        "against the full cache's (sdpa; for `full` its own seconds and tokens/s); decoding speed against a full cache "
+        f"that holds only {budget} tokens, which is what the scoring costs."
     )
     return "\n".join(lines)
 

@@ -366,4 +366,6 @@ def describe(name: str) -> str:
         text += f"; {TRANSFORM_SUMMARIES[policy.transform]}"
     if policy.gqa is not None:
         text += f"; a KV group's query heads combined by {policy.gqa}"
+    if policy.page is not None:
+        text += f"; tokens ranked by their page of {policy.page} positions, whole pages evicted (caote.pages)"
     return text

@@ -9,10 +9,12 @@ there). Compress: the whole prompt in one forward, evicted once, then decoding b
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import greedy, random_ids
+from conftest import greedy, load_script, random_ids
 from transformers import DynamicCache
 
 from caote.cache import EvictionCache
@@ -155,3 +157,12 @@ def test_the_command_line_refuses_them_with_exit_code_2(arguments, capsys):
         main(arguments)
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_the_retrieval_page_s_table_is_generated_from_the_committed_runs():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "results" / "retrieval.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- retrieval:start -->\n(.*?)\n<!-- retrieval:end -->", page, re.S)
+    assert match, "docs/results/retrieval.md lacks the <!-- retrieval:start --> ... <!-- retrieval:end --> block"
+    assert match.group(1) == load_script("retrieval_table").table(), (
+        "stale: paste `python benchmarks/retrieval_table.py`"
+    )
