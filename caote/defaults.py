@@ -36,8 +36,8 @@ AUTO_LEARNED = "learned+caote"
 # at 1024) at 0.63-0.67x. tests/test_auto.py recomputes the table from the committed rows and run.
 AUTO_TRAINING_FREE = {256: "tova+caote", 1024: "h2o+caote"}
 # auto's policy when the prompt is read whole, then compressed (prefill="compress", a retrieval setting): whole pages of
-# 16 positions ranked by TOVA+CAOTE, which found every pass key the full cache found on SmolLM2's plain-text pass keys
-# at 2k, budgets 128-512 (docs/results/retrieval.md)
+# 16 positions ranked by TOVA+CAOTE, which found on each of SmolLM2's plain-text pass-key prompts at 2k what the full
+# cache found, at budgets 256 and 512 (docs/results/retrieval.md)
 AUTO_COMPRESS = "tova+caote/page16"
 # the learned policy's calibration (`caote calibrate`, caote.evaluation.calibration): evicting passes at these budgets
 # (on held-out dev essays one calibrated at 128 alone did as well at 256 as one calibrated at 128, 256 and 512, with a
