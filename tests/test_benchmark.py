@@ -247,6 +247,7 @@ def test_each_policy_is_timed_against_its_cost_reference():
     assert _cost_reference("caote-window") == ("snapkv+caote", 1.10)
     assert _cost_reference("caote-ahead") == ("h2o+caote", 1.10)
     assert _cost_reference("streamingllm")[0] is None
+    assert _cost_reference("tova+caote/mean/page16") == ("tova+caote/mean", 1.05)
 
 
 def test_growth_fit_tells_a_linear_cost_from_a_quadratic_one():

@@ -256,8 +256,10 @@ def growth_fit(by_context: dict[str, dict]) -> dict | None:
 def _cost_reference(name: str) -> tuple[str | None, float]:
     """The configuration whose prefill time ``name``'s is held against, with the limit: a policy beyond the paper
     (plain or value-aware) against its paper base's ``+caote`` (``learned+caote`` against ``h2o+caote``), a
-    paper policy's ``+caote`` / ``+fastcaote`` against its plain base."""
+    paper policy's ``+caote`` / ``+fastcaote`` against its plain base, a paged policy against itself unpaged."""
     policy = parse_policy(name)
+    if policy.page is not None:
+        return policy_name(policy.base_name, policy.transform, policy.gqa), TRANSFORM_OVERHEAD_LIMIT
     if policy.base.about.paper_base:
         return policy_name(policy.base.about.paper_base, "caote"), BEYOND_OVERHEAD_LIMIT
     return (policy.base_name, TRANSFORM_OVERHEAD_LIMIT) if policy.value_aware else (None, BEYOND_OVERHEAD_LIMIT)
