@@ -243,7 +243,7 @@ class CacheSettings:
         """These settings as ``model`` runs them: auto upgraded to the learned policy its predictor's validation
         names when the verdict is that it helps (`caote.predictor.Predictor.helps`) and the prompt is read in blocks,
         else as they are."""
-        found = self.predictor_for(model) if self.auto and self.prefill == "blocks" else None
+        found = self.predictor_for(model) if self.auto else None  # None with prefill="compress": auto reads none
         if found is None or not found[0].helps:
             return self
         return self.replace(policy=found[0].validation.get("learned", AUTO_LEARNED), auto=True)
