@@ -1,4 +1,5 @@
-"""The import graph of caote/ has no cycle (parsed with ast: module-level and function-level imports alike)."""
+"""The import graph of caote/ has no cycle (parsed with ast: module-level and function-level imports alike), and
+importing a module of caote loads `caote.reports` only from the command bodies (module-level imports)."""
 
 from __future__ import annotations
 
@@ -26,17 +27,28 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
     return None
 
 
-def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
-    """``(imported caote module, line)`` for every import in ``module``, wherever it sits (function bodies too). In a
-    module that calls ``import_module``, every string naming a caote module counts as an import of it too."""
+def _module_level(node: ast.AST) -> list[ast.AST]:
+    """The nodes run when the module is imported, in source order: every node outside function bodies."""
+    nodes = [node]
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            nodes += _module_level(child)
+    return nodes
+
+
+def imports(module: str, path: Path, known: dict[str, Path], module_level: bool = False) -> list[tuple[str, int]]:
+    """``(imported caote module, line)`` for every import in ``module``, wherever it sits (function bodies too; with
+    ``module_level``, only those run when it is imported). In a module that calls ``import_module`` (there), every
+    string naming a caote module counts as an import of it too."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    nodes = _module_level(tree) if module_level else list(ast.walk(tree))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     dynamic = any(
         isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-        for node in ast.walk(tree)
+        for node in nodes
     )
     found = []
-    for node in ast.walk(tree):
+    for node in nodes:
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -56,13 +68,13 @@ def imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, 
     return found
 
 
-def import_graph() -> dict[str, dict[str, int]]:
-    """``{module: {imported module: first line}}`` over every module of caote/."""
+def import_graph(module_level: bool = False) -> dict[str, dict[str, int]]:
+    """``{module: {imported module: first line}}`` over every module of caote/ (`imports`)."""
     known = modules()
     graph: dict[str, dict[str, int]] = {}
     for module, path in known.items():
         edges: dict[str, int] = {}
-        for target, line in imports(module, path, known):
+        for target, line in imports(module, path, known, module_level):
             edges.setdefault(target, line)
         graph[module] = edges
     return graph
@@ -129,6 +141,55 @@ def test_no_import_cycle():
     assert cycle is None, describe(cycle, graph)
 
 
+REPORTS = "caote.reports"
+# the command bodies that import caote.reports at the top: each is imported inside its command function only
+COMMAND_BODIES = ("caote.evaluation.report",)  # ``caote eval``, from caote.evaluation.cli.run
+
+
+def import_chain(graph: dict[str, dict[str, int]], start: str, wanted) -> list[str] | None:
+    """The shortest ``[start, ..., module]`` of imports from ``start`` to a module for which ``wanted`` holds."""
+    parents, todo = {start: None}, [start]
+    while todo:
+        module = todo.pop(0)
+        if module != start and wanted(module):
+            chain = [module]
+            while parents[chain[-1]] is not None:
+                chain.append(parents[chain[-1]])
+            return chain[::-1]
+        for child in sorted(graph.get(module, {})):
+            if child not in parents:
+                parents[child] = module
+                todo.append(child)
+    return None
+
+
+def test_only_the_command_bodies_load_the_reports():
+    """caote's core, the computing side of caote.evaluation and caote.benchmark never load caote.reports when
+    imported, directly or through what they import (caote/reports/__init__.py states the rule)."""
+    graph = import_graph(module_level=True)
+
+    def in_reports(module: str) -> bool:
+        return module == REPORTS or module.startswith(f"{REPORTS}.")
+
+    chains = [
+        import_chain(graph, module, in_reports)
+        for module in graph
+        if not in_reports(module) and module not in COMMAND_BODIES
+    ]
+    found = [
+        " -> ".join(chain) + f" ({modules()[chain[0]].relative_to(PACKAGE.parent)}:{graph[chain[0]][chain[1]]})"
+        for chain in chains
+        if chain is not None
+    ]
+    assert not found, (
+        "modules that load caote.reports when imported:\n  " + "\n  ".join(found) + "\n"
+        "Only the command bodies (COMMAND_BODIES) import caote.reports at the top; a command imports them inside its "
+        "command function."
+    )
+    stale = [body for body in COMMAND_BODIES if not any(in_reports(module) for module in graph[body])]
+    assert not stale, f"COMMAND_BODIES names modules that no longer import caote.reports: {stale}"
+
+
 def test_the_graph_sees_deferred_and_dynamic_imports(tmp_path):
     source = tmp_path / "module.py"
     source.write_text(
@@ -144,6 +205,8 @@ def test_the_graph_sees_deferred_and_dynamic_imports(tmp_path):
     known = {name: source for name in ("caote", "caote.x", "caote.y", "caote.z", "caote.v", "caote.me")}
     found = sorted(target for target, _ in imports("caote.me", source, known))
     assert found == ["caote.v", "caote.x", "caote.y", "caote.z"]
+    at_import = sorted(target for target, _ in imports("caote.me", source, known, module_level=True))
+    assert at_import == ["caote.x", "caote.y"]
 
 
 def test_find_cycle():

@@ -218,7 +218,7 @@ def test_caote_generate_prints_the_verdict_and_names_both_policies(
 
 
 def test_rows_of_auto_are_summarised_and_drawn_as_a_policy_of_their_own(tmp_path):
-    from caote.evaluation.summary import summarise_rows
+    from caote.reports.summary import summarise_rows
 
     def row(policy, budget, unit, kl):
         return {"benchmark": "perplexity", "example_id": f"essay-{unit}", "unit": unit, "policy": policy,

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from caote.evaluation.claims import claims, claims_table
 from caote.evaluation.config import EvalConfig
-from caote.evaluation.document import headline_table, setup_lines, verdict_lines
 from caote.evaluation.grids import QUICK_GRID, STANDARD_GRID, part_configs, planned_rows
-from caote.evaluation.plots import FIGURES
 from caote.evaluation.registry import BENCHMARKS, REPORT, TASKS
 from caote.evaluation.rows import load_rows
-from caote.evaluation.summary import summarise_rows
+from caote.reports.claims import claims, claims_table
+from caote.reports.document import headline_table, setup_lines, verdict_lines
+from caote.reports.plots import FIGURES
+from caote.reports.summary import summarise_rows
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = REPO / "docs" / "results" / "runs" / "standard"

@@ -13,12 +13,13 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model
 
-from caote.evaluation import runner, stats, tables
+from caote.evaluation import runner, stats
 from caote.evaluation.config import config_from_args
 from caote.evaluation.examples import Example
 from caote.evaluation.lockstep import fidelity, lockstep
 from caote.evaluation.rows import VOLATILE_FIELDS, RowStore, load_rows, read_rows
 from caote.evaluation.tasks import MetricSpec
+from caote.reports import tables
 
 REPO = Path(__file__).resolve().parents[1]
 SCORE = MetricSpec("score", "accuracy", 2, higher_is_better=True, binary=True)

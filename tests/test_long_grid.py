@@ -142,7 +142,7 @@ def _text_rows(policy: str, budget, kls: list[float], model: str = "smollm2-135m
 
 
 def test_the_oracle_gap_table_names_the_best_paper_policy_per_budget():
-    from caote.evaluation.long_results import oracle_gap_table
+    from caote.reports.long_results import oracle_gap_table
 
     rows = (
         _text_rows("h2o", 256, [0.10, 0.12])
@@ -156,9 +156,9 @@ def test_the_oracle_gap_table_names_the_best_paper_policy_per_budget():
 
 
 def test_the_long_document_is_written_alone_and_results_md_links_it_tables_first(tmp_path):
-    from caote.evaluation.document import write_results_md
     from caote.evaluation.grids import STANDARD_GRID
-    from caote.evaluation.long_results import write_long_md
+    from caote.reports.document import write_results_md
+    from caote.reports.long_results import write_long_md
 
     config = report_config("--grid", "long", "--docs", str(tmp_path))
     configs = part_configs(LONG_GRID, config, tmp_path / "results" / "runs" / "long")

@@ -1,4 +1,4 @@
-"""`caote.evaluation.plots`: in the metric-vs-budget plot every line stays visible (issue 14, item 7); every plot,
+"""`caote.reports.plots`: in the metric-vs-budget plot every line stays visible (issue 14, item 7); every plot,
 `caote eval`'s and `caote bench`'s, says which way is better and colours a policy alike (issue 44)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from caote.benchmark import document as bench_document
-from caote.evaluation import plots
 from caote.evaluation.rows import load_rows
-from caote.evaluation.summary import summarise_rows
+from caote.reports import plots
+from caote.reports.summary import summarise_rows
 
 matplotlib = pytest.importorskip("matplotlib")
 

@@ -9,15 +9,15 @@ from conftest import random_ids, tiny_model
 
 from caote.cache import EvictionCache
 from caote.evaluation import runner
-from caote.evaluation.beyond import beyond_records, beyond_table, target_lines
-from caote.evaluation.claims import claims, claims_table
 from caote.evaluation.examples import Example
 from caote.evaluation.lockstep import lockstep
 from caote.evaluation.niah import niah_example
 from caote.evaluation.rows import load_rows
-from caote.evaluation.tables import best_base_records, values_by_cell
 from caote.evaluation.tasks import MetricSpec
 from caote.pipeline import CaoteTextGenerationPipeline
+from caote.reports.beyond import beyond_records, beyond_table, target_lines
+from caote.reports.claims import claims, claims_table
+from caote.reports.tables import best_base_records, values_by_cell
 
 KL = MetricSpec("kl", "KL", 4, higher_is_better=False)
 

@@ -13,10 +13,10 @@ from caote.cli import build_parser
 from caote.evaluation import runner
 from caote.evaluation.config import config_from_args
 from caote.evaluation.examples import Example
-from caote.evaluation.glance import glance_rows, glance_table
 from caote.evaluation.grids import GRIDS, TRY_GRID, part_configs, planned_rows
 from caote.evaluation.report import report_paths
 from caote.evaluation.rows import code_commit, load_rows, row_commits
+from caote.reports.glance import glance_rows, glance_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from caote.benchmark.config import COMPILED, DECODE_WARM_UP, FULL_AT_BUDGET, FULL_BLOCKS, FULL_SDPA
 from caote.benchmark.stats import summarise
-from caote.evaluation.plots import FULL_COLOUR, policy_line
 
 
 def _mib(value) -> str:
@@ -226,6 +225,9 @@ FULL_LINES = {
 def _line(name: str) -> dict:
     """How configuration ``name`` is drawn: a policy as in every plot (`policy_line`; compiled: hollow markers),
     the full cache in `FULL_COLOUR` with the line style and marker of its configuration."""
+    # the evaluation's plot styles: caote.reports loads when a plot is drawn, not when the run imports this module
+    from caote.reports.plots import FULL_COLOUR, policy_line
+
     if name in FULL_LINES:
         return {"label": name, "color": FULL_COLOUR, **FULL_LINES[name]}
     policy = name.removesuffix(COMPILED)

@@ -2,7 +2,6 @@
 
 Bottom up: leaf modules (`examples`, `metrics`, `data`, `stats`, `reference`, `tasks`, `fidelity`,
 `ruler_content`) -> one module per task (`niah`, `ruler`, `longbench`, `perplexity`) -> `registry` (the only list
-of tasks) -> `rows`, `lockstep` -> `config` -> `runner` -> summaries that read rows only (`tables`, `plots`,
-`summary`) -> the results document (`grids`, `document`) -> `report` (the runs) -> `cli` (``caote eval``). See
-docs/architecture.md.
+of tasks) -> `rows`, `lockstep` -> `config` -> `runner` -> `grids` -> `report` (the runs, then their documents from
+`caote.reports`, which nothing below it imports) -> `cli` (``caote eval``). See docs/architecture.md.
 """

@@ -1,6 +1,7 @@
 """The two ``caote eval`` runs: one task (`run_benchmark`: rows, then ``<out>/summary.md``) and a report grid
 (`run_report`: every part of a grid, then results.md, a compact table and a plot's path). Both load the model, write
-this process's rows, wait for every process and summarise on process 0.
+this process's rows, wait for every process and summarise on process 0. The one module of `caote.evaluation` that
+imports `caote.reports`; ``caote eval`` imports it inside its command function (`caote.evaluation.cli.run`).
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import torch
 from tqdm.auto import tqdm
 
 from caote.evaluation.config import EvalConfig
-from caote.evaluation.document import write_results_md
-from caote.evaluation.glance import glance_table
 from caote.evaluation.grids import GRIDS, Grid, part_configs, planned_rows
-from caote.evaluation.long_results import write_long_md
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import load_rows
 from caote.evaluation.runner import distributed_state, run_rows
-from caote.evaluation.summary import summarise_benchmark, summarise_rows
 from caote.models import load_model
+from caote.reports.document import write_results_md
+from caote.reports.glance import glance_table
+from caote.reports.long_results import write_long_md
+from caote.reports.summary import summarise_benchmark, summarise_rows
 
 # the plot printed at the end of a report: KL from the full cache against the budget (every setting on the same
 # texts, so the variants and their bases stay apart even on the try grid's one text, where NIAH has 2 examples a

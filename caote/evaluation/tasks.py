@@ -57,7 +57,7 @@ class Task:
     [Text]``) is set; ``config`` is a `caote.evaluation.config.EvalConfig`. ``count(config)`` is how
     many examples or texts a complete run has (None when only the data knows). ``describe(config, rows)`` is the
     task's line in the Setup section of docs/results.md. ``subtasks``: the names ``--tasks`` accepts (summaries then
-    add one table per sub-task). ``figures``: extra plots by name in `caote.evaluation.plots.FIGURES`.
+    add one table per sub-task). ``figures``: extra plots by name in `caote.reports.plots.FIGURES`.
     """
 
     name: str

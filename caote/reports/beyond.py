@@ -9,11 +9,11 @@ and NIAH examples, as everywhere in docs/results.md (`caote.evaluation.stats`).
 
 from __future__ import annotations
 
-from caote.evaluation.claims import PAPER_POLICIES
 from caote.evaluation.examples import row_protocol
 from caote.evaluation.stats import Estimate, estimate, paired_difference
-from caote.evaluation.tables import MIN_PAIRED_UNITS, gap_closed, values_by_cell, verdict
 from caote.policies import parse_policy
+from caote.reports.claims import PAPER_POLICIES
+from caote.reports.tables import MIN_PAIRED_UNITS, gap_closed, values_by_cell, verdict
 
 GAP_TARGET = 0.25  # the share of the oracle gap a policy must close at every budget (our moonshot: half)
 

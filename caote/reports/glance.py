@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from caote.evaluation.examples import row_protocol
 from caote.evaluation.reference import FULL
-from caote.evaluation.tables import policy_order
+from caote.reports.tables import policy_order
 
 
 def _mean(values: list[float]) -> float | None:

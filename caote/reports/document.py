@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from caote.evaluation.beyond import GAP_TARGET, beyond_records, beyond_table, target_lines
-from caote.evaluation.claims import claims, claims_table
 from caote.evaluation.grids import GRIDS, Grid
 from caote.evaluation.reference import FULL
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import row_commits
 from caote.evaluation.stats import Estimate
-from caote.evaluation.summary import INTERVAL_NOTE, render_pieces
-from caote.evaluation.tables import policy_order
+from caote.reports.beyond import GAP_TARGET, beyond_records, beyond_table, target_lines
+from caote.reports.claims import claims, claims_table
+from caote.reports.summary import INTERVAL_NOTE, render_pieces
+from caote.reports.tables import policy_order
 
 
 def headline_columns(summaries: dict) -> list[tuple[str, str, str, str, int]]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from caote.evaluation.examples import row_protocol
-from caote.evaluation.plots import FIGURES, plot_metric_vs_budget
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import load_rows
-from caote.evaluation.tables import (
+from caote.reports.plots import FIGURES, plot_metric_vs_budget
+from caote.reports.tables import (
     BEST_BASE_FIELDS,
     COMPARISON_FIELDS,
     SUMMARY_FIELDS,

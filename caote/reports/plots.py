@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 
 from caote.evaluation.reference import FULL
-from caote.evaluation.tables import policy_order
 from caote.policies import is_auto, parse_policy
+from caote.reports.tables import policy_order
 
 
 def _pyplot():

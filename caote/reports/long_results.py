@@ -2,22 +2,22 @@
 length), each with its headline table, the oracle gap per budget, the claims re-decided on its own units and our
 policies against the paper's; one plot of KL against budget with a panel per part; the hand-written reading kept in
 ``results/long_reading.md``. docs/results.md links this document rather than repeating it
-(`caote.evaluation.document.own_document_lines`).
+(`caote.reports.document.own_document_lines`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from caote.evaluation.beyond import best_policy, beyond_records, beyond_table
-from caote.evaluation.claims import claims, claims_table
-from caote.evaluation.document import headline_table
 from caote.evaluation.grids import Grid
-from caote.evaluation.plots import budgets_of, plot_panels_vs_budget
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import row_commits
-from caote.evaluation.summary import INTERVAL_NOTE, summarise_rows
-from caote.evaluation.tables import values_by_cell
+from caote.reports.beyond import best_policy, beyond_records, beyond_table
+from caote.reports.claims import claims, claims_table
+from caote.reports.document import headline_table
+from caote.reports.plots import budgets_of, plot_panels_vs_budget
+from caote.reports.summary import INTERVAL_NOTE, summarise_rows
+from caote.reports.tables import values_by_cell
 
 MODEL_TITLES = {"smollm2-135m": "SmolLM2-135M-Instruct", "gemma3-270m": "Gemma-3 270M (base)"}
 TEXT_TITLES = {

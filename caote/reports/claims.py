@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from caote.defaults import PAPER_BASES
 from caote.evaluation.examples import row_protocol
 from caote.evaluation.stats import Estimate, paired_difference
-from caote.evaluation.tables import MIN_PAIRED_UNITS, values_by_cell
 from caote.policies import expand_policies, policy_name
+from caote.reports.tables import MIN_PAIRED_UNITS, values_by_cell
 
 PAPER_POLICIES = [name for name in expand_policies("paper") if name != "full"]
 EQUIVALENCE_SHARE = 0.10  # "FastCAOTE ≈ CAOTE": their KL differs by less than 10 % of the plain base's KL
