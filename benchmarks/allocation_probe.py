@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from caote.cache import EvictionCache, evicting_layers
-from caote.evaluation.calibration import calibration_texts
+from caote.evaluation.calibration.texts import calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
 from caote.layer import EvictionLayer
 from caote.models import load_model

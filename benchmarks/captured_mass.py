@@ -24,8 +24,9 @@ import torch
 from tqdm import tqdm
 
 from caote.cache import EvictionCache, evicting_layers
-from caote.evaluation.calibration import TEXT_ID, calibration_texts
+from caote.evaluation.calibration.texts import calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
+from caote.evaluation.splits import TEXT_ID
 from caote.future import FutureAttention
 from caote.models import load_model
 from caote.predictor import Predictor

@@ -27,23 +27,18 @@ import argparse
 import json
 import statistics
 from collections import Counter
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from caote.cache import EvictionCache, evicting_layers
-from caote.evaluation.calibration import (
-    Collector,
-    NormalEquations,
-    calibration_texts,
-    documents_of,
-    ridge_strength,
-    rollout_settings,
-    weighted_rows,
-)
+from caote.evaluation.calibration.collection import Collector, roll_out
+from caote.evaluation.calibration.recipe import Recipe
+from caote.evaluation.calibration.ridge import NormalEquations, ridge_strength, weighted_rows
+from caote.evaluation.calibration.texts import calibration_texts
 from caote.evaluation.lockstep import reference_pass, track
+from caote.evaluation.splits import documents_of
 from caote.learned import LayerPredictor
 from caote.models import load_model
 from caote.predictor import Predictor
@@ -91,7 +86,7 @@ def record_rows(model, predictor, texts: list, block: int = 128) -> dict:
     for number, ids, budget, layers, every in tqdm(passes, desc="passes", unit="pass"):
         if referred != number:
             reference, referred = reference_pass(model, ids, block, future=True, states=set(), scored_tail=1), number
-        settings = rollout_settings(budget, block_size=block)
+        settings = Recipe(budgets=(budget,), block_size=block).settings(budget)
         recorder = RowRecorder(
             rows,
             layers,
@@ -103,10 +98,7 @@ def record_rows(model, predictor, texts: list, block: int = 128) -> dict:
             settings.sink_tokens,
             rollout=predictor,
         )
-        with ExitStack() as stack, torch.no_grad():
-            cache = stack.enter_context(EvictionCache(model, settings, future=reference.future, stand_in=recorder))
-            for start in range(0, ids.shape[1], block):
-                model.get_decoder()(input_ids=ids[:, start : start + block], cache=cache, use_cache=True)
+        roll_out(model, ids, settings, reference.future, recorder)
     return rows
 
 

@@ -181,9 +181,10 @@ class EvictionCache(Cache):
         The `caote.future.FutureAttention` of the teacher-forced text this cache will read, required by the
         ``oracle`` policy (and only by it): a hindsight ceiling for evaluation, which no generation can provide.
     stand_in:
-        For the ``learned`` policy only, an object standing in for the model's importance predictor (calibration
-        uses it to record features; `caote.evaluation.calibration.Collector`). Users name a predictor file with the
-        ``predictor`` setting (``EvictionCache(model, policy="learned+caote", predictor="my.safetensors")``).
+        For the ``learned`` policy only, an object standing in for the model's importance predictor
+        (calibration uses it to record features; `caote.evaluation.calibration.collection.Collector`). Users name a
+        predictor file with the ``predictor`` setting
+        (``EvictionCache(model, policy="learned+caote", predictor="my.safetensors")``).
     """
 
     def __init__(

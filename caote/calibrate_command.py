@@ -291,16 +291,21 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     given = None if args.validate is None else load_predictor(args.validate, "--validate", args.model)
     # start-up: calibration imports torch and transformers, which argument errors do not need
-    from caote.evaluation.calibration import calibration_length, check_mass_weight, rollout_settings
+    from caote.evaluation.calibration.recipe import Recipe
     from caote.evaluation.lockstep import cell_settings
     from caote.evaluation.validation import CANDIDATES, LEARNED
 
-    try:
-        for budget in budgets:  # refused before the model loads
-            rollout_settings(budget)
-        check_mass_weight(args.mass_weight, "--mass-weight")
+    try:  # refused before the model loads
+        recipe = Recipe(
+            budgets=tuple(budgets),
+            groups=tuple(groups),
+            rounds=args.rounds,
+            mass_weight=args.mass_weight,
+            target=args.target,
+            balance_lengths=args.balance_lengths,
+        )
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        raise UsageError(str(error).replace("mass_weight", "--mass-weight")) from None
     try:
         for budget in validation_budgets or []:
             for policy in LEARNED + CANDIDATES:
@@ -312,11 +317,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from caote.evaluation.calibration.recipe import calibrate
     from caote.models import load_model
 
     model, tokenizer = load_model(args.model)
     check_loaded(args.rollout_predictor, "--rollout-predictor", model)
     check_loaded(args.validate, "--validate", model)
+    from caote.evaluation.calibration.texts import calibration_length
+
     length = args.length or calibration_length(model)
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is not None and length > positions:
@@ -327,15 +335,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
         fit += long_texts(args, tokenizer, long_length, long_count, held)
     warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line
     validation_budgets = validation_budgets or default_validation_budgets(budgets, given)
-    runs = 0 if args.no_validation else len(held) * len(policies) * len(validation_budgets)
     from tqdm.auto import tqdm
 
-    from caote.evaluation.calibration import evicting_budgets
+    from caote.evaluation.validation import validation_blocks
 
-    passes = 0 if given is not None else args.rounds * sum(len(evicting_budgets(text, budgets)) for text in fit)
-    with tqdm(total=passes + runs, desc="caote calibrate", unit="pass") as bar:
+    blocks = 0 if given is not None else recipe.blocks(fit)
+    if not args.no_validation:
+        blocks += validation_blocks(held, policies, validation_budgets, recipe.block_size)
+    with tqdm(total=blocks, desc="caote calibrate", unit="block") as bar:
         predictor = (
-            given if given is not None else fit_rounds(args, model, tokenizer, fit, budgets, groups, rollout, bar)
+            given
+            if given is not None
+            else calibrate(model, tokenizer, fit, recipe, rollout=rollout, model_name=args.model, bar=bar)
         )
         verdict = (
             None
@@ -382,7 +393,7 @@ def long_excerpts(args: argparse.Namespace, length: int, positions: int | None) 
 def source_texts(args: argparse.Namespace, tokenizer, length: int) -> list:
     """Every excerpt of ``length`` tokens of the texts the command reads: the ``--texts`` folder's, or the dev split
     of ``--domain`` (a `ValueError` when none can be had)."""
-    from caote.evaluation.calibration import calibration_texts, folder_texts
+    from caote.evaluation.calibration.texts import calibration_texts, folder_texts
 
     if args.texts is not None:
         return folder_texts(tokenizer, args.texts, length)
@@ -392,7 +403,7 @@ def source_texts(args: argparse.Namespace, tokenizer, length: int) -> list:
 def long_texts(args: argparse.Namespace, tokenizer, long_length: int, long_count: int, held: list) -> list:
     """``long_count`` excerpts of ``long_length`` tokens from the documents not held out (``held``) for the
     validation (a `UsageError` when the texts hold fewer)."""
-    from caote.evaluation.calibration import document_of
+    from caote.evaluation.splits import document_of
 
     try:
         texts = source_texts(args, tokenizer, long_length)
@@ -421,8 +432,8 @@ def split_texts(
     and the excerpts of held-out documents to validate on; with ``given`` (``--validate``), nothing to fit and the
     excerpts of its stored validation (``read_before``) when the texts hold them, else of every document it was not
     fitted on, which ``recompute`` (``--recompute``: rows kept from the stored validation) refuses."""
-    from caote.evaluation.calibration import default_count, document_of
-    from caote.evaluation.validation import MIN_EXCERPTS, hold_out
+    from caote.evaluation.calibration.texts import default_count
+    from caote.evaluation.splits import MIN_EXCERPTS, document_of, hold_out
 
     try:
         texts = source_texts(args, tokenizer, length)
@@ -517,26 +528,6 @@ def default_validation_budgets(budgets: list[int], given) -> list[int]:
     if given is not None and given.validation is not None:
         return list(given.validation["budgets"])
     return [budgets[0], 4 * budgets[0]]
-
-
-def fit_rounds(args, model, tokenizer, fit: list, budgets: list[int], groups: list[str], rollout, bar):
-    """`caote.evaluation.calibration.calibrate_rounds` with the command's options."""
-    from caote.evaluation.calibration import calibrate_rounds
-
-    return calibrate_rounds(
-        model,
-        tokenizer,
-        fit,
-        args.rounds,
-        rollout=rollout,
-        budgets=tuple(budgets),
-        groups=tuple(groups),
-        model_name=args.model,
-        mass_weight=args.mass_weight,
-        target=args.target,
-        balance_lengths=args.balance_lengths,
-        bar=bar,
-    )
 
 
 def validate_into(

@@ -46,7 +46,7 @@ AUTO_COMPRESS = "tova+caote/page16"
 CALIBRATION_BUDGETS = (128,)
 FEATURE_GROUPS = ("scalars", "key", "value")
 DEFAULT_FEATURE_GROUPS = ("scalars", "key")
-# rows weighted by (future mass / the group's mean) ** this (caote.evaluation.calibration.mass_weights); 0: unweighted
+# rows weighted by (future mass / the group's mean) ** this (calibration.ridge.mass_weights); 0: unweighted
 CALIBRATION_MASS_WEIGHT = 1.0
 # what the predictor ranks by (caote.future.received): later queries' attention, or their output change were the token
 # evicted alone

@@ -97,7 +97,7 @@ class Predictor:
     groups: tuple[str, ...]
     model: str
     fingerprint: str
-    texts: list[str]  # the calibration texts' ids (never evaluated: `caote.evaluation.calibration.check_disjoint`)
+    texts: list[str]  # the calibration texts' ids (never evaluated: `caote.evaluation.splits.check_disjoint`)
     details: dict  # how it was calibrated (budgets, recent window, ridge strengths, held-out losses, seconds)
 
     def save(self, path: str | Path) -> Path:

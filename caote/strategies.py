@@ -34,7 +34,7 @@ from caote.stacking import evict_together
 class CacheContext:
     """What a strategy may need besides the settings: the model, the oracle's hindsight (``future``), whether the
     model has sliding-window layers, and an object standing in for the model's predictor (calibration's
-    `caote.evaluation.calibration.Collector`, which reads ``future`` as its targets)."""
+    `caote.evaluation.calibration.collection.Collector`, which reads ``future`` as its targets)."""
 
     model: nn.Module
     future: FutureAttention | None = None

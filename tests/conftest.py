@@ -52,7 +52,7 @@ def tiny_predictors():
     """Tiny random models have no committed predictor, so the ``learned`` policies (which every guarantee test
     runs, like every other policy) get one calibrated on the fly, once per model: a real calibration on random ids.
     Yields the unpatched `Predictor.for_model`, for the tests of its refusal."""
-    from caote.evaluation.calibration import calibrate
+    from caote.evaluation.calibration.recipe import Recipe, calibrate
     from caote.evaluation.tasks import Text
     from caote.predictor import Predictor, model_fingerprint
 
@@ -65,7 +65,8 @@ def tiny_predictors():
         key = model_fingerprint(model)
         if key not in made:
             texts = [Text(f"random-{i}", 96, "x" * (i + 1), f"random-{i}") for i in range(4)]
-            made[key] = calibrate(model, RandomIds(96), texts, budgets=(40,), block_size=BLOCK, progress=False)
+            recipe = Recipe(budgets=(40,), block_size=BLOCK, rounds=1)
+            made[key] = calibrate(model, RandomIds(96), texts, recipe, progress=False)
         return made[key]
 
     with pytest.MonkeyPatch.context() as patch:

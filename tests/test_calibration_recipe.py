@@ -7,9 +7,10 @@ import torch
 from conftest import load_as
 from test_cli import run_main
 
-from caote.evaluation.calibration import calibration_length, default_count
+from caote.evaluation.calibration.texts import calibration_length, default_count
+from caote.evaluation.splits import hold_out
 from caote.evaluation.tasks import Text
-from caote.evaluation.validation import CANDIDATES, LEARNED, hold_out, judge, validation_table
+from caote.evaluation.validation import CANDIDATES, LEARNED, judge, validation_table
 from caote.predictor import VERDICT_DOES_NOT_HELP, VERDICT_HELPS, Predictor
 from caote.testing import tiny_model
 
@@ -129,7 +130,8 @@ def test_long_excerpts_are_four_times_as_long_and_oversized_budgets_are_skipped(
     lengths = [int(text_id.split("-")[2]) for text_id in Predictor.load(out).texts]
     assert lengths == [128] * 8 + [512] * 2
     assert "8 texts of 128 tokens and 2 of 512 x 2 budgets x 1 rounds" in stdout
-    assert "12/12" in err  # budget 200 skipped on the 128-token excerpts: 8 x 1 + 2 x 2 passes
+    # blocks read, budget 200 skipped on the 128-token excerpts: 8 x 1 x (1 full + 1 evicting) + 2 x 4 x (1 + 2)
+    assert "40/40" in err
 
 
 def test_no_balance_lengths_lets_each_length_weigh_by_its_rows(capsys, roomy_calibration, tmp_path):
@@ -237,7 +239,7 @@ def test_recompute_keeps_the_stored_rows_of_the_policies_it_does_not_name(capsys
     code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
     assert code == 0, err
     assert "rows of learned, learned-block recomputed, the others as stored" in stdout
-    assert "12/12" in err  # 6 excerpts x 2 policies x 1 budget
+    assert "36/36" in err  # blocks: 6 excerpts x 2 blocks x (1 full + 2 policies x 1 budget)
     validation = Predictor.load(again).validation
     assert validation["recomputed"] == ["learned", "learned-block"] and list(validation["kl"]) == list(stored["kl"])
     assert validation["kl"]["h2o+caote"] == {"40": [0.0] * 6}  # kept, not run
@@ -313,7 +315,7 @@ def test_a_stored_validation_is_read_again_only_where_ids_and_texts_match():
 @pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-long", "gemma3-270m"])
 def test_the_shipped_predictors_find_the_excerpts_of_their_stored_validation(tokenizer, name):
     from caote.calibrate_command import stored_excerpts
-    from caote.evaluation.calibration import calibration_texts
+    from caote.evaluation.calibration.texts import calibration_texts
     from caote.models import GEMMA3, resolve_model_path
     from caote.predictor import PREDICTOR_DIR
 
@@ -347,7 +349,9 @@ def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calib
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    target = "caote.evaluation.calibration.calibrate" if stage == "fit" else "caote.evaluation.validation.validate"
+    target = (
+        "caote.evaluation.calibration.recipe.calibrate" if stage == "fit" else "caote.evaluation.validation.validate"
+    )
     monkeypatch.setattr(target, interrupted)
     out = tmp_path / "mine.safetensors"
     args = ["--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--budgets", "40", "--out", str(out)]
@@ -380,7 +384,7 @@ def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch,
 def test_calibration_keeps_one_row_of_logits_per_block_but_the_last(capsys, tiny_calibration, tmp_path, monkeypatch):
     """The fit reads the full cache's future attention, not its log-probs: a block's logits over the vocabulary (at
     8,192 tokens, 8.6 GB for Gemma-3) are computed for its last row only."""
-    from caote.evaluation import calibration
+    from caote.evaluation.calibration import recipe as calibration
 
     references = []
 

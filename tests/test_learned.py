@@ -11,17 +11,11 @@ import torch
 from conftest import RandomIds, greedy, random_ids, tiny_model
 
 from caote.cache import EvictionCache
-from caote.evaluation.calibration import (
-    MASS_WEIGHT_RANGE,
-    Collector,
-    NormalEquations,
-    calibrate,
-    calibration_texts,
-    check_calibration_texts,
-    check_disjoint,
-    length_shares,
-    mass_weights,
-)
+from caote.evaluation.calibration.collection import CollectingLayer, Collector
+from caote.evaluation.calibration.recipe import Recipe, calibrate, length_shares
+from caote.evaluation.calibration.ridge import MASS_WEIGHT_RANGE, NormalEquations, mass_weights
+from caote.evaluation.calibration.texts import calibration_texts
+from caote.evaluation.splits import check_calibration_texts, check_disjoint
 from caote.evaluation.tasks import Text
 from caote.history import (
     KEY_TERM_POSITION,
@@ -180,14 +174,17 @@ def test_rope_is_undone_by_position(llama, newest):
 TINY_TEXTS = [Text(f"mine-{i}", 96, "x" * (i + 1), f"mine-{i}") for i in range(4)]
 
 
+def tiny_recipe(**fields) -> Recipe:
+    """One round at budget 40 in blocks of 32, for the tiny texts."""
+    return Recipe(**{"budgets": (40,), "block_size": 32, "rounds": 1, **fields})
+
+
 def calibrated(model, tmp_path, groups=("scalars", "key")) -> str:
-    predictor = calibrate(model, RandomIds(96), TINY_TEXTS, budgets=(40,), groups=groups, block_size=32, progress=False)
+    predictor = calibrate(model, RandomIds(96), TINY_TEXTS, tiny_recipe(groups=groups), progress=False)
     return str(predictor.save(tmp_path / "tiny.safetensors"))
 
 
 def test_a_second_round_rolls_out_the_learned_policy_with_the_first_rounds_predictor(llama, tmp_path, monkeypatch):
-    from caote.evaluation.calibration import CollectingLayer
-
     first = Predictor.load(calibrated(llama, tmp_path))
     rankings, real_predict = [], CollectingLayer.predict
 
@@ -198,14 +195,14 @@ def test_a_second_round_rolls_out_the_learned_policy_with_the_first_rounds_predi
         return ranking
 
     monkeypatch.setattr(CollectingLayer, "predict", spied)
-    second = calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, rollout=first)
+    second = calibrate(llama, RandomIds(96), TINY_TEXTS, tiny_recipe(), progress=False, rollout=first)
     assert rankings and not any(rankings)  # every pass ranked by the first predictor, not by H2O's mass
     assert second.details["rolled_out_by"] == [first.texts] and not torch.allclose(second.weights, first.weights)
     elsewhere = Predictor(second.weights, second.groups, "m", second.fingerprint, ["mine-9"], second.details)
     with pytest.raises(ValueError, match="documents of 1 of the texts"):  # the first round's texts count too
         check_disjoint(elsewhere, ["mine-0"])
     with pytest.raises(ValueError, match="must be of this model and of the features scalars$"):
-        calibrate(llama, RandomIds(96), TINY_TEXTS, (40,), ("scalars",), block_size=32, progress=False, rollout=first)
+        calibrate(llama, RandomIds(96), TINY_TEXTS, tiny_recipe(groups=("scalars",)), progress=False, rollout=first)
 
 
 def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tmp_path):
@@ -217,15 +214,13 @@ def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tm
     assert predictor.texts == [f"mine-{i}" for i in range(4)] and predictor.fingerprint == model_fingerprint(llama)
     assert predictor.details["rows"] > 0 and predictor.details["held_out_mse"] > 0
     assert predictor.details["mass_weight"] == 1.0 and predictor.details["budgets"] == [40]
-    unweighted = calibrate(
-        llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, mass_weight=0
-    )
+    unweighted = calibrate(llama, RandomIds(96), TINY_TEXTS, tiny_recipe(mass_weight=0), progress=False)
     assert unweighted.details["mass_weight"] == 0 and not torch.allclose(unweighted.weights, predictor.weights)
     assert predictor.details["target"] == "mass"
-    change = calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, target="change")
+    change = calibrate(llama, RandomIds(96), TINY_TEXTS, tiny_recipe(target="change"), progress=False)
     assert change.details["target"] == "change" and not torch.allclose(change.weights, predictor.weights)
     with pytest.raises(ValueError, match=r"mass_weight must lie in \[0, 4\], got -0.5"):
-        calibrate(llama, RandomIds(96), TINY_TEXTS, budgets=(40,), block_size=32, progress=False, mass_weight=-0.5)
+        tiny_recipe(mass_weight=-0.5)
     ids = random_ids(80)
     for name in ("learned", "learned+caote", "learned+fastcaote", "learned+caote/mean"):
         cache = EvictionCache(llama, budget=40, policy=name, predictor=path)  # the setting as a keyword
@@ -239,23 +234,26 @@ def test_balanced_lengths_give_each_lengths_rows_an_equal_share_of_the_fit(llama
 
     texts = [Text(f"{letter}-64", 64, letter * 64, letter) for letter in "abc"]
     texts += [Text(f"{letter}-256", 256, letter * 256, letter) for letter in "lm"]
-    options = dict(budgets=(40, 160), block_size=32, progress=False)
-    plain = calibrate(llama, tokenizer, texts, balance_lengths=False, **options)
-    balanced = calibrate(llama, tokenizer, texts, **options)  # the default
+    options = dict(budgets=(40, 160), block_size=32, rounds=1)
+    plain = calibrate(llama, tokenizer, texts, Recipe(balance_lengths=False, **options), progress=False)
+    balanced = calibrate(llama, tokenizer, texts, Recipe(**options), progress=False)  # the default
     assert balanced.details["balance_lengths"] and "balance_lengths" not in plain.details
     assert balanced.details["rows"] == plain.details["rows"]  # the total weight is kept
     assert not torch.allclose(balanced.weights, plain.weights)
-    alike = calibrate(llama, tokenizer, texts[:3] * 2, **options)  # one length: nothing to balance
+    alike = calibrate(
+        llama, tokenizer, texts[:3] * 2, Recipe(**options), progress=False
+    )  # one length: nothing to balance
     assert "balance_lengths" not in alike.details
     assert torch.equal(
-        alike.weights, calibrate(llama, tokenizer, texts[:3] * 2, balance_lengths=False, **options).weights
+        alike.weights,
+        calibrate(llama, tokenizer, texts[:3] * 2, Recipe(balance_lengths=False, **options), progress=False).weights,
     )
     rows = {64: 300.0, 256: 100.0, 257: 200.0, 512: 0.0}
     collectors = [types.SimpleNamespace(equations={("fit", 0, 0): NormalEquations.empty(2)}) for _ in rows]
     for collector, count in zip(collectors, rows.values()):
         collector.equations["fit", 0, 0].rows = count
         collector.equations["held_out", 0, 0] = NormalEquations(torch.zeros(2, 2), torch.zeros(2), 0.0, 1e6)
-    shares = length_shares(collectors, list(rows))
+    shares = length_shares(list(zip(collectors, rows)))
     # 200 each; held-out rows are not counted, and a length with held-out rows only keeps its weight
     assert shares == pytest.approx({64: 2 / 3, 256: 2.0, 257: 1.0, 512: 1.0})
 
@@ -354,7 +352,7 @@ def test_a_file_that_is_not_a_predictor_is_one_line(tmp_path):
 def test_calibration_that_collects_nothing_is_refused(llama):
     texts = [Text("mine-0", 30, "x", "mine-0")]
     with pytest.raises(ValueError, match="collected nothing"):
-        calibrate(llama, RandomIds(30), texts, budgets=(40,), block_size=32, progress=False)
+        calibrate(llama, RandomIds(30), texts, tiny_recipe(), progress=False)
 
 
 def test_the_committed_predictor_was_calibrated_on_no_text_a_grid_evaluates(tokenizer):

@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 from caote.arguments import warn_once_if_threads_share_cores
 from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL
-from caote.evaluation.calibration import check_disjoint
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.data import prompt_text
 from caote.evaluation.examples import PROTOCOLS, Example
@@ -29,6 +28,7 @@ from caote.evaluation.metrics import score_example
 from caote.evaluation.reference import FULL, with_reference
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import RowStore, code_commit, row_key
+from caote.evaluation.splits import check_disjoint
 from caote.evaluation.tasks import Text
 from caote.generation import announce_predictor, generate_ids
 from caote.pipeline import CaoteTextGenerationPipeline

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hashlib
 
-from caote.evaluation.calibration import document_of
-from caote.evaluation.lockstep import lockstep_results
+from caote.defaults import DEFAULT_BLOCK_SIZE
+from caote.evaluation.lockstep import lockstep_results, skippable_blocks
 from caote.predictor import VERDICT_DOES_NOT_HELP, VERDICT_HELPS
 
 # the learned policies a predictor serves; learned-block added 2026-12-06 (the predictors validated before list the
@@ -27,44 +27,30 @@ LEARNED = ("learned+caote", "learned", "learned-block")
 # time: on the long grid +caote was the better variant in most cells), StreamingLLM, and caote-block, the best
 # training-free policy at budget 256 on every long-grid part
 CANDIDATES = ("streamingllm", "h2o+caote", "tova+caote", "snapkv+caote", "caote-block")
-MIN_EXCERPTS = 6  # fewer held-out excerpts than this give no verdict
 WIN_SHARE = 2 / 3  # the share of excerpts on which the learned policy must be lower
-
-
-def hold_out(texts: list, excerpts: int = MIN_EXCERPTS) -> tuple[list, list]:
-    """``(fit, held)``: the documents last in ``texts``' order are held out, one by one, until they give
-    ``excerpts`` excerpts (taken a document's first excerpt each, then the second, ...), while at least half of the
-    documents remain for the fit; ``held`` is empty when that cannot reach ``excerpts``."""
-    documents = list(dict.fromkeys(document_of(text.id) for text in texts))
-    held_documents: list[str] = []
-    for document in reversed(documents):
-        if sum(document_of(text.id) in held_documents for text in texts) >= excerpts:
-            break
-        if len(held_documents) + 1 > len(documents) // 2:
-            return texts, []
-        held_documents.append(document)
-    held = [text for text in texts if document_of(text.id) in held_documents]
-    if len(held) < excerpts:
-        return texts, []
-    return [text for text in texts if document_of(text.id) not in held_documents], held[:excerpts]
 
 
 def validate(
     model, tokenizer, predictor_path, texts: list, budgets, bar=None, policies=LEARNED + CANDIDATES, kept=None
 ) -> dict:
     """KL from the full cache of `LEARNED` (with the predictor at ``predictor_path``) and `CANDIDATES` at every
-    budget on ``texts``, and the verdict (`judge`). ``bar``: a progress bar advanced once per excerpt, policy and
-    budget. ``policies``: those to run; ``kept``: the rows (policy -> budget -> per-excerpt KL) of a validation
-    stored on the same texts and budgets, taken for the others as they are (the result lists the ``recomputed``
-    ones)."""
+    budget on ``texts``, and the verdict (`judge`). ``bar``: a progress bar advanced by the blocks each pass
+    reads (`validation_blocks`). ``policies``: those to run; ``kept``: the rows (policy -> budget -> per-excerpt KL)
+    of a validation stored on the same texts and budgets, taken for the others as they are (the result lists the
+    ``recomputed`` ones)."""
     runs = [(policy, budget) for policy in policies for budget in budgets]
     fresh: dict[str, dict[str, list[float]]] = {policy: {str(budget): [] for budget in budgets} for policy, _ in runs}
     for text in texts:
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)
+        blocks = -(-text.length // DEFAULT_BLOCK_SIZE)
+        if bar is not None:
+            bar.update(blocks)  # the full-cache pass, read before the first result
         for result in lockstep_results(model, ids, runs, predictor=str(predictor_path)):
             fresh[result["policy"]][str(result["budget"])].append(result["kl"])
             if bar is not None:
-                bar.update()
+                bar.update(
+                    blocks - skippable_blocks(result["policy"], result["budget"], DEFAULT_BLOCK_SIZE, text.length)
+                )
     rows = {**(kept or {}), **fresh}
     kl = {policy: rows[policy] for policy in LEARNED + CANDIDATES if policy in rows}
     return {
@@ -75,6 +61,17 @@ def validate(
         **({} if kept is None else {"recomputed": list(policies)}),
         **judge(kl, list(budgets)),
     }
+
+
+def validation_blocks(texts: list, policies, budgets, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The blocks `validate` reads: per excerpt a full-cache pass, then each policy x budget from its first block
+    that differs from the full cache's (`caote.evaluation.lockstep.skippable_blocks`)."""
+    total = 0
+    for text in texts:
+        blocks = -(-text.length // block_size)
+        skipped = sum(skippable_blocks(p, b, block_size, text.length) for p in policies for b in budgets)
+        total += blocks * (1 + len(policies) * len(budgets)) - skipped
+    return total
 
 
 def digest(text: str) -> str:
