@@ -163,6 +163,28 @@ def _evicting(windows: list[int | None]) -> list[int]:
     return [index for index, window in enumerate(windows) if window is None]
 
 
+def _cache_layers(settings: CacheSettings, windows: list[int | None]) -> list:
+    """The layers of an `EvictionCache` over decoder layers with these sliding windows: an `EvictionLayer` where it
+    evicts (`_evicting`), a sliding-window layer keeping its own window elsewhere."""
+    evicting = _evicting(windows)
+    return [
+        EvictionLayer(settings) if index in evicting else DynamicSlidingWindowLayer(window)
+        for index, window in enumerate(windows)
+    ]
+
+
+def _warn_unbounded_prefill(new: int, block_size: int) -> None:
+    """Warn that one forward brought ``new`` tokens, more than a prefill block: attention over them escapes the
+    budget."""
+    logger.warning(
+        "EvictionCache received %d tokens in one forward (block size %d): attention over them is not "
+        "bounded by the budget; pass prefill_chunk_size=%d to generate",
+        new,
+        block_size,
+        block_size,
+    )
+
+
 class EvictionCache(Cache):
     """A bounded KV cache: after every forward step each layer holds at most ``budget`` tokens.
 
@@ -208,17 +230,10 @@ class EvictionCache(Cache):
         windows = sliding_windows(model)
         context = CacheContext(model, future, any(window is not None for window in windows), stand_in)
         self.strategy = strategy_for(self.settings, context) if self.policy.evicts else None
-        evicting = _evicting(windows)
-        every_layer_slides = all(window is not None for window in windows)
-        super().__init__(
-            layers=[
-                EvictionLayer(self.settings) if index in evicting else DynamicSlidingWindowLayer(window)
-                for index, window in enumerate(windows)
-            ]
-        )
+        super().__init__(layers=_cache_layers(self.settings, windows))
         self.model_name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         # A model whose every layer slides (Mistral with a window) evicts everywhere, within its window only.
-        self.sliding_window = min(windows) if every_layer_slides else None
+        self.sliding_window = min(windows) if all(window is not None for window in windows) else None
         self._generator: torch.Generator | None = None
         self._bytes = ByteLedger(self.layers)
         self._shared = ForwardShared()
@@ -375,13 +390,7 @@ class EvictionCache(Cache):
         new = layer.new_tokens
         prefilling_in_blocks = self.settings.prefill == "blocks" and self.policy.evicts
         if new > self.block_size and prefilling_in_blocks and index == self._first_evicting:  # once per forward
-            logger.warning(
-                "EvictionCache received %d tokens in one forward (block size %d): attention over them is not "
-                "bounded by the budget; pass prefill_chunk_size=%d to generate",
-                new,
-                self.block_size,
-                self.block_size,
-            )
+            _warn_unbounded_prefill(new, self.block_size)
         # a token decoded in place is never padding, and its mask already hides the slots that hold none
         real = None if layer.in_place else self._shared.real_slots(attention_mask, layer.keys)
         layer.add_positions(self._shared.positions(layer, kwargs, real), real is not None)

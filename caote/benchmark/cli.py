@@ -38,7 +38,17 @@ def _listed(values) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option of ``caote bench``, in its --help order."""
     defaults = BenchConfig()
+    add_workload_arguments(parser, defaults)
+    add_cache_arguments(parser, defaults)
+    add_decoding_arguments(parser, defaults)
+    add_run_arguments(parser, defaults)
+    add_report_arguments(parser)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, defaults: BenchConfig) -> None:
+    """What is measured: the model, its context lengths and the repeats of each."""
     parser.add_argument(
         "--model",
         default=defaults.model,
@@ -58,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="repeats per context, one value for all or one per context "
         f"(default {_listed(defaults.repeats_for(context) for context in defaults.contexts)})",
     )
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser, defaults: BenchConfig) -> None:
+    """The bounded caches measured: budget, prefill block and the policies (those also decoded among them)."""
     parser.add_argument(
         "--budget",
         type=positive_int,
@@ -83,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.decode_policies,
         help=f"policies also decoded after the prefill (default {', '.join(defaults.decode_policies)})",
     )
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser, defaults: BenchConfig) -> None:
+    """How decoding is measured: tokens for the speed, interleaved rounds, and the eviction interval."""
     parser.add_argument(
         "--new-tokens",
         type=non_negative_int,
@@ -103,6 +121,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="evict this many tokens whenever decoding overflows the budget, so scoring runs once "
         "per that many steps (default 1: one token per step, the paper's setting)",
     )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, defaults: BenchConfig) -> None:
+    """How the run goes: threads, prompt text, process isolation, output folder and seed."""
     parser.add_argument(
         "--threads", type=positive_int, default=defaults.threads, help=f"torch threads (default {defaults.threads})"
     )
@@ -125,6 +147,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"git; the committed results: --out {COMMITTED_OUT})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for random prompts / tiny models")
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--report-from``: rewrite the documents of an earlier run instead of measuring."""
     parser.add_argument(
         "--report-from",
         metavar="RESULTS_JSON",

@@ -13,7 +13,9 @@ on the sharding (greedy decoding, one example at a time).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -116,6 +118,88 @@ def answer_after_context(pipe, example: Example, settings: CacheSettings, max_ne
     return output["answer"], {"tokens_kept": stats.tokens_kept, "peak_kv_bytes": stats.peak_kv_bytes}
 
 
+def refuse_other_prefill(store: RowStore, out: Path, prefill: str) -> None:
+    """Refuse a shard holding rows read with another prefill mode than ``prefill``: its summaries would average the
+    two modes' rows of a cell."""
+    modes = {row.get("prefill", DEFAULT_PREFILL) for row in store.rows.values()} - {prefill}
+    if modes:
+        raise ValueError(
+            f"{out} holds rows read with prefill {', '.join(sorted(modes))}; write prefill {prefill}'s to another "
+            "output folder"
+        )
+
+
+@dataclass
+class ExampleRows:
+    """The rows of one `run_examples` call: an example answered under one cell, with what every row shares (the
+    model, the run's settings, the process and the commit)."""
+
+    model: Any
+    tokenizer: Any
+    model_name: str
+    benchmark: str
+    block_size: int
+    prefill: str
+    rank: int
+    num_processes: int
+    extra: dict | None
+    max_new_tokens: int | None
+    commit: str = field(default_factory=code_commit)  # of the code computing the rows
+    pipe: CaoteTextGenerationPipeline | None = None  # built on the first question-after example
+
+    def answer(self, example: Example, input_ids: torch.Tensor, settings: CacheSettings, new_tokens: int):
+        """``(prediction, stats)`` of ``example`` under ``settings``, by its protocol: the question in the prompt
+        (`answer`) or after the compressed context (`answer_after_context`)."""
+        if example.protocol == "in-prompt":
+            return answer(self.model, self.tokenizer, input_ids, settings, new_tokens)
+        self.pipe = self.pipe or CaoteTextGenerationPipeline(model=self.model, tokenizer=self.tokenizer)
+        return answer_after_context(self.pipe, example, settings, new_tokens)
+
+    def row(self, example: Example, policy: str, budget: int | None, settings: CacheSettings, input_ids, full_row):
+        """The row of ``example`` under ``policy`` at ``budget`` (its ``settings``). When the budget is at least the
+        prompt plus the answer, nothing can be evicted: the full cache's row ``full_row`` is reused (marked
+        ``"evicted": false``) instead of recomputing the same greedy answer."""
+        new_tokens = min(example.max_new_tokens, self.max_new_tokens or example.max_new_tokens)
+        started = time.perf_counter()
+        if budget is not None and full_row is not None and budget >= input_ids.shape[1] + new_tokens:
+            prediction, stats, evicted = full_row["prediction"], {}, False
+        else:
+            prediction, stats = self.answer(example, input_ids, settings, new_tokens)
+            evicted = budget is not None
+        row = {
+            "key": row_key(self.model_name, example.id, policy, budget),
+            "benchmark": self.benchmark,
+            "model": self.model_name,
+            "example_id": example.id,
+            "task": example.task,
+            "protocol": example.protocol,
+            "policy": policy,
+            "budget": budget,
+            "block_size": self.block_size,
+            "prefill": self.prefill,
+            "metric": example.metric,
+            "prompt_tokens": int(input_ids.shape[1]),
+            "max_new_tokens": new_tokens,
+            "prediction": prediction,
+            "answers": list(example.answers),
+            "score": float(score_example(example, prediction)),
+            "evicted": evicted,
+            "meta": example.meta,
+            "seconds": round(time.perf_counter() - started, 3),
+            "rank": self.rank,
+            "num_processes": self.num_processes,
+            "commit": self.commit,
+            **resolution(settings),
+            **stats,
+            **(self.extra or {}),
+        }
+        if full_row is not None:
+            row["full_score"] = full_row["score"]
+        elif policy == FULL:
+            row["full_score"] = row["score"]
+        return row
+
+
 def run_examples(
     model,
     tokenizer,
@@ -136,9 +220,9 @@ def run_examples(
 ) -> int:
     """Answer this process's share of ``examples`` under full + ``policies`` x ``budgets``; returns rows written.
 
-    When a budget is at least the prompt plus the answer, nothing can be evicted: the full cache's row is reused
-    (marked ``"evicted": false``) instead of recomputing the same greedy answer. ``max_new_tokens`` caps every
-    example's own answer length. ``bar`` (see `run_rows`) advances when a row is saved (or found done).
+    A budget that holds the prompt plus the answer reuses the full cache's row (`ExampleRows.row`).
+    ``max_new_tokens`` caps every example's own answer length. ``bar`` (see `run_rows`) advances when a row is saved
+    (or found done).
     """
     mine = examples[rank::num_processes]
     cells = [
@@ -148,73 +232,27 @@ def run_examples(
     announce_predictor(model, *settings_of.values())
     work = [(example, *cell) for example in mine for cell in cells]
     with RowStore(out, rank) as store:
-        modes = {row.get("prefill", DEFAULT_PREFILL) for row in store.rows.values()} - {prefill}
-        if modes:  # its summaries would average the two modes' rows of a cell
-            raise ValueError(
-                f"{out} holds rows read with prefill {', '.join(sorted(modes))}; write prefill {prefill}'s to another "
-                "output folder"
-            )
+        refuse_other_prefill(store, out, prefill)
         warn_once_if_threads_share_cores()  # the shard is ours: no refusal can follow the hint
         own_bar = bar is None
         if own_bar:
             bar = progress_bar(len(work), f"{benchmark} [{rank}]", progress, rank)
         written = 0
-        commit = code_commit()
+        rows = ExampleRows(
+            model, tokenizer, model_name, benchmark, block_size, prefill, rank, num_processes, extra, max_new_tokens
+        )
         ids_cache: dict[str, torch.Tensor] = {}
-        pipe = None
         for example, policy, budget in work:
-            key = row_key(model_name, example.id, policy, budget)
-            if key in store:
+            if row_key(model_name, example.id, policy, budget) in store:
                 if own_bar:  # a bar handed in counts the stored rows in its start (`caote.evaluation.report.run_parts`)
                     bar.update(1)
                 continue
             if example.id not in ids_cache:
                 ids_cache = {example.id: prompt_ids(tokenizer, example)}
-            input_ids = ids_cache[example.id]
-            new_tokens = min(example.max_new_tokens, max_new_tokens or example.max_new_tokens)
             full_row = store.get(row_key(model_name, example.id, FULL, None))
-            started = time.perf_counter()
-            if budget is not None and full_row is not None and budget >= input_ids.shape[1] + new_tokens:
-                prediction, stats, evicted = full_row["prediction"], {}, False
-            elif example.protocol == "in-prompt":
-                prediction, stats = answer(model, tokenizer, input_ids, settings_of[policy, budget], new_tokens)
-                evicted = budget is not None
-            else:
-                pipe = pipe or CaoteTextGenerationPipeline(model=model, tokenizer=tokenizer)
-                prediction, stats = answer_after_context(pipe, example, settings_of[policy, budget], new_tokens)
-                evicted = budget is not None
-            row = {
-                "key": key,
-                "benchmark": benchmark,
-                "model": model_name,
-                "example_id": example.id,
-                "task": example.task,
-                "protocol": example.protocol,
-                "policy": policy,
-                "budget": budget,
-                "block_size": block_size,
-                "prefill": prefill,
-                "metric": example.metric,
-                "prompt_tokens": int(input_ids.shape[1]),
-                "max_new_tokens": new_tokens,
-                "prediction": prediction,
-                "answers": list(example.answers),
-                "score": float(score_example(example, prediction)),
-                "evicted": evicted,
-                "meta": example.meta,
-                "seconds": round(time.perf_counter() - started, 3),
-                "rank": rank,
-                "num_processes": num_processes,
-                "commit": commit,
-                **resolution(settings_of[(policy, budget)]),
-                **stats,
-                **(extra or {}),
-            }
-            if full_row is not None:
-                row["full_score"] = full_row["score"]
-            elif policy == FULL:
-                row["full_score"] = row["score"]
-            store.append(row)
+            store.append(
+                rows.row(example, policy, budget, settings_of[policy, budget], ids_cache[example.id], full_row)
+            )
             bar.update(1)  # after the row is saved: the bar never counts a row still running
             written += 1
         if own_bar:

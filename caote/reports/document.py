@@ -109,6 +109,60 @@ def verdict_lines(summaries: dict) -> list[str]:
     return lines
 
 
+def provenance_line(docs: Path, runs: Path, grid: Grid, config, rows: dict, seconds: dict) -> str:
+    """How to regenerate the document, the settings and commits of its rows, their wall time and where they are
+    kept."""
+    committed = runs.is_relative_to(docs / "results")  # the committed documents (--docs) or a user's --out
+    command = f"caote eval report --grid {grid.name} " + (f"--docs {docs}" if committed else f"--out {docs}")
+    commits = row_commits(row for value in rows.values() for row in value)
+    provenance = ", ".join(f"`{commit}`" for commit in commits) or "`none`"
+    return (
+        f"Regenerate with `{command}` (grid `{grid.name}`, model `{config.model}`, essay split `{config.split}`, "
+        f"seed {config.seed}; rows computed with the code at commit{'s' if len(commits) > 1 else ''} {provenance}, "
+        "as stored in each row). Wall time summed over rows (over all processes): "
+        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
+        + ". "
+        f"Rows are kept under `{runs}/` and a rerun resumes from them (delete the folder to recompute)."
+    )
+
+
+def completeness_line(rows: dict, planned: dict) -> str:
+    """Whether every planned row is there: the rows each task misses, else the counts (and the rows beyond the
+    plan)."""
+    counts = {name: len(value) for name, value in rows.items()}
+    missing = {name: planned[name] - counts.get(name, 0) for name in planned if counts.get(name, 0) < planned[name]}
+    if missing:
+        return (
+            "**Incomplete run:** "
+            + ", ".join(f"{name} is missing {count} of {planned[name]} rows" for name, count in missing.items())
+            + "; the tables show the rows that exist."
+        )
+    extra = {name: counts[name] - planned[name] for name in planned if counts.get(name, 0) > planned[name]}
+    return f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())})." + (
+        " **Rows beyond the plan:** "
+        + ", ".join(f"{name} has {count} more" for name, count in extra.items())
+        + " (rows of other settings in the folder, summarised with the rest; use a fresh folder to exclude them)."
+        if extra
+        else ""
+    )
+
+
+def setup_section(grid: Grid, configs: dict, rows: dict) -> list[str]:
+    """The Setup section: policies, budgets and prefill, one line per task, the grid's notes and the intervals."""
+    policies = list(dict.fromkeys(p for part in configs.values() for p in part.policies))
+    return [
+        "## Setup",
+        "",
+        f"- Policies: {', '.join(policy_order(policies))} (hindsight and ablation policies on the texts only); budgets "
+        f"{', '.join(map(str, grid.budgets))} tokens per layer and KV head; prompts consumed in blocks of 128 with "
+        "eviction after every block, greedy decoding.",
+        *setup_lines(configs, rows),
+        *(f"- {note}" for note in grid.notes),
+        f"- {INTERVAL_NOTE}",
+        "",
+    ]
+
+
 def write_results_md(
     path: Path,
     grid: Grid,
@@ -125,48 +179,14 @@ def write_results_md(
     ``results/<grid>_beyond.md``), a link to each grid's own document, and one section per task in grid order."""
     docs = path.parent
     runs = Path(runs) if runs is not None else docs / "results" / "runs"
-    committed = runs.is_relative_to(docs / "results")  # the committed documents (--docs) or a user's --out
-    command = f"caote eval report --grid {grid.name} " + (f"--docs {docs}" if committed else f"--out {docs}")
-    counts = {name: len(value) for name, value in rows.items()}
-    policies = list(dict.fromkeys(p for part in configs.values() for p in part.policies))
-    commits = row_commits(row for value in rows.values() for row in value)
-    provenance = ", ".join(f"`{commit}`" for commit in commits) or "`none`"
-    missing = {name: planned[name] - counts.get(name, 0) for name in planned if counts.get(name, 0) < planned[name]}
-    extra = {name: counts[name] - planned[name] for name in planned if counts.get(name, 0) > planned[name]}
     lines = [
         "# Results: what eviction costs on the bundled SmolLM2-135M-Instruct",
         "",
-        f"Regenerate with `{command}` (grid `{grid.name}`, model `{config.model}`, essay split `{config.split}`, "
-        f"seed {config.seed}; rows computed with the code at commit{'s' if len(commits) > 1 else ''} {provenance}, "
-        "as stored in each row). Wall time summed over rows (over all processes): "
-        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
-        + ". "
-        f"Rows are kept under `{runs}/` and a rerun resumes from them (delete the folder to recompute).",
+        provenance_line(docs, runs, grid, config, rows, seconds),
         "",
-        (
-            "**Incomplete run:** "
-            + ", ".join(f"{name} is missing {count} of {planned[name]} rows" for name, count in missing.items())
-            + "; the tables show the rows that exist."
-        )
-        if missing
-        else f"All planned rows present ({', '.join(f'{k}: {v}' for k, v in counts.items())})."
-        + (
-            " **Rows beyond the plan:** "
-            + ", ".join(f"{name} has {count} more" for name, count in extra.items())
-            + " (rows of other settings in the folder, summarised with the rest; use a fresh folder to exclude them)."
-            if extra
-            else ""
-        ),
+        completeness_line(rows, planned),
         "",
-        "## Setup",
-        "",
-        f"- Policies: {', '.join(policy_order(policies))} (hindsight and ablation policies on the texts only); budgets "
-        f"{', '.join(map(str, grid.budgets))} tokens per layer and KV head; prompts consumed in blocks of 128 with "
-        "eviction after every block, greedy decoding.",
-        *setup_lines(configs, rows),
-        *(f"- {note}" for note in grid.notes),
-        f"- {INTERVAL_NOTE}",
-        "",
+        *setup_section(grid, configs, rows),
         "## Headline: every policy × budget (mean [95 % CI]; full cache first)",
         "",
         "NIAH and RULER: higher is better (the interval shows how many examples a cell has: few make it wide). "
