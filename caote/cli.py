@@ -1,4 +1,4 @@
-"""The ``caote`` command line: ``caote generate | policies | calibrate | eval | bench``.
+"""The ``caote`` command line: ``caote generate | policies | calibrate | validate | eval | bench``.
 
 Run as ``caote ...`` or ``python -m caote ...``. Each subcommand module in `SUBCOMMANDS` exposes
 ``add_parser(subparsers)``, which registers its parser and sets ``func(args) -> int`` on it; this list is the only
@@ -14,13 +14,13 @@ import importlib.util
 import re
 import sys
 
-from caote import calibrate_command, commands
+from caote import calibrate_command, commands, validate_command
 from caote.arguments import Parser, UsageError
 from caote.benchmark import cli as benchmark_cli
 from caote.evaluation import cli as evaluation_cli
 
 # the modules that register the subcommands, in --help order
-SUBCOMMANDS = (commands, calibrate_command, evaluation_cli, benchmark_cli)
+SUBCOMMANDS = (commands, calibrate_command, validate_command, evaluation_cli, benchmark_cli)
 
 __all__ = ["SUBCOMMANDS", "UsageError", "build_parser", "main"]
 

@@ -1,5 +1,5 @@
 """``caote generate`` and ``caote policies``: the user-facing subcommands of the ``caote`` CLI (``caote calibrate``
-is `caote.calibrate_command`).
+is `caote.calibrate_command`, ``caote validate`` `caote.validate_command`).
 
 ``caote generate`` answers one prompt with a bounded KV cache, streaming the answer to stdout; ``caote policies``
 prints every eviction policy with a one-line description and its reference.

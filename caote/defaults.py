@@ -53,9 +53,13 @@ CALIBRATION_MASS_WEIGHT = 1.0
 FUTURE_TARGETS = ("mass", "change")
 CALIBRATION_TARGET = "mass"
 CALIBRATION_ROUNDS = 2  # the second round evicts by the first round's predictor (on-policy rows; docs/learned.md)
+# ... whose passes the first round's predictor only ranks, so the first round reads this share of the texts
+CALIBRATION_FIRST_ROUND_SHARE = 0.25
 CALIBRATION_LENGTH = 1024  # tokens per calibration excerpt, the standard grid's length ...
 CALIBRATION_WINDOWS = 4  # ... or this many sliding windows for a model mixing sliding and full layers (Gemma-3: 2,048)
-CALIBRATION_TOKENS = 40 * 1024  # excerpts per round unless --count: this many tokens (40 excerpts of 1,024)
+# the excerpts fitted on unless --count: this many tokens (24 of 1,024; the shipped predictors read 40 of 1,024, or 20
+# of 2,048 for Gemma-3, and three times as much text did not help: docs/learned.md)
+CALIBRATION_TOKENS = 24 * 1024
 # --long-count excerpts besides those are this many times longer by default (SmolLM2: 4,096 tokens; Gemma-3: 8,192),
 # the long grid's lengths; none by default: with 10 of 4,096 at budgets 128 and 1024, each length's rows weighed
 # alike, SmolLM2's learned+caote closed 38 % of the oracle gap at budget 1024 on dev essays of 4,096 tokens instead of

@@ -10,9 +10,11 @@ from test_cli import run_main
 from caote.evaluation.calibration.texts import calibration_length, default_count
 from caote.evaluation.splits import hold_out
 from caote.evaluation.tasks import Text
-from caote.evaluation.validation import CANDIDATES, LEARNED, judge, validation_table
-from caote.predictor import VERDICT_DOES_NOT_HELP, VERDICT_HELPS, Predictor
+from caote.evaluation.validation import CANDIDATES, LEARNED, judge, validation_runs, validation_table
+from caote.predictor import PREDICTOR_DIR, VERDICT_DOES_NOT_HELP, VERDICT_HELPS, Predictor
 from caote.testing import tiny_model
+
+SHIPPED = PREDICTOR_DIR / "smollm2-135m.safetensors"
 
 
 def texts_of(excerpts_per_document: dict[str, int]) -> list[Text]:
@@ -46,7 +48,7 @@ def kl_table(learned: list[float], best: list[float], budgets=(128, 512)) -> dic
     table = {policy: {str(b): [1.0] * len(best) for b in budgets} for policy in LEARNED + CANDIDATES}
     for budget in budgets:
         table["learned+caote"][str(budget)] = list(learned)
-        table["learned"][str(budget)] = [value + 0.5 for value in learned]
+        table["learned-block"][str(budget)] = [value + 0.5 for value in learned]
         table["snapkv+caote"][str(budget)] = list(best)
     return table
 
@@ -77,6 +79,21 @@ def test_of_two_learned_policies_that_pass_the_verdict_names_the_lower_at_the_sm
     assert judge(table, [128, 512])["learned"] == "learned+caote"
 
 
+def test_a_window_of_recent_tokens_is_judged_at_the_smallest_budget_only():
+    assert validation_runs(("learned+caote", "streamingllm"), [128, 512]) == [
+        ("learned+caote", 128),
+        ("learned+caote", 512),
+        ("streamingllm", 128),
+    ]
+    table = kl_table([0.4] * 6, [0.5] * 6)
+    table["streamingllm"] = {"128": [0.1] * 6}  # the best candidate at 128, absent at 512
+    verdict = judge(table, [128, 512])
+    assert verdict["best"] == {"128": "streamingllm", "512": "snapkv+caote"}
+    assert verdict["verdict"] == VERDICT_DOES_NOT_HELP
+    lines = validation_table({"texts": ["t"] * 6, "budgets": [128, 512], "kl": table, **verdict}).splitlines()
+    assert "| streamingllm | **0.1000** | – |" in lines
+
+
 def test_the_table_marks_the_lowest_kl_and_states_the_verdict():
     validation = {"texts": ["t"] * 6, "budgets": [128, 512], "kl": kl_table([0.4] * 6, [0.5] * 6)}
     validation.update(judge(validation["kl"], [128, 512]))
@@ -91,7 +108,7 @@ def test_the_calibration_length_follows_the_model():
     assert calibration_length(hybrid) == 1024
     hybrid.config.get_text_config().sliding_window = 512
     assert calibration_length(hybrid) == 2048
-    assert default_count(1024) == 40 and default_count(2048) == 20 and default_count(10**6) == 4
+    assert default_count(1024) == 24 and default_count(2048) == 12 and default_count(10**6) == 4
 
 
 def folder_of_texts(tmp_path, documents: int = 4, lines: int = 120):
@@ -112,7 +129,7 @@ def tiny_calibration(monkeypatch, tokenizer):
 
 @pytest.fixture
 def roomy_calibration(monkeypatch, tokenizer):
-    """`caote calibrate` on a tiny random Llama with 1,024 positions: room for excerpts 4x as long as 128 tokens."""
+    """`caote calibrate` on a tiny random Llama with 1,024 positions: room for excerpts 4x as long as 256 tokens."""
     model = tiny_model("llama", vocab_size=49152, max_position_embeddings=1024)
     load_as(monkeypatch, model, tokenizer)
     return model
@@ -121,17 +138,18 @@ def roomy_calibration(monkeypatch, tokenizer):
 def test_long_excerpts_are_four_times_as_long_and_oversized_budgets_are_skipped(capsys, roomy_calibration, tmp_path):
     out = tmp_path / "mine.safetensors"
     code, stdout, err = run_main(
-        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--count", "8",
-        "--long-count", "2", "--budgets", "40,200", "--rounds", "1", "--no-validation", "--min-budget", "512",
+        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--count", "8",
+        "--long-count", "2", "--budgets", "40,300", "--rounds", "1", "--no-validation", "--min-budget", "512",
         "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
     assert Predictor.load(out).min_budget == 512  # --min-budget: for budgets from 512 where a model ships several
     lengths = [int(text_id.split("-")[2]) for text_id in Predictor.load(out).texts]
-    assert lengths == [128] * 8 + [512] * 2
-    assert "8 texts of 128 tokens and 2 of 512 x 2 budgets x 1 rounds" in stdout
-    # blocks read, budget 200 skipped on the 128-token excerpts: 8 x 1 x (1 full + 1 evicting) + 2 x 4 x (1 + 2)
-    assert "40/40" in err
+    assert lengths == [256] * 8 + [1024] * 2
+    assert "8 texts of 256 tokens and 2 of 1024 x 2 budgets x 1 rounds" in stdout
+    # blocks read, budget 300 skipped on the 256-token excerpts, every evicting pass stopping before the last block
+    # (whose eviction has no later query): 8 x (2 full + 1) + 2 x (8 full + 2 budgets x 7)
+    assert "68/68" in err
 
 
 def test_no_balance_lengths_lets_each_length_weigh_by_its_rows(capsys, roomy_calibration, tmp_path):
@@ -139,7 +157,7 @@ def test_no_balance_lengths_lets_each_length_weigh_by_its_rows(capsys, roomy_cal
     for flags in ([], ["--no-balance-lengths"]):
         out = tmp_path / f"mine{len(flags)}.safetensors"
         code, _, err = run_main(
-            capsys, "calibrate", "--texts", texts, "--length", "128", "--count", "8", "--long-count", "2",
+            capsys, "calibrate", "--texts", texts, "--length", "256", "--count", "8", "--long-count", "2",
             "--budgets", "40", "--rounds", "1", "--no-validation", "--out", str(out), *flags,
         )  # fmt: skip
         assert code == 0, err
@@ -153,14 +171,14 @@ def test_no_balance_lengths_lets_each_length_weigh_by_its_rows(capsys, roomy_cal
 def test_the_long_excerpts_leave_out_the_documents_held_out_to_validate(capsys, roomy_calibration, tmp_path):
     out = tmp_path / "mine.safetensors"
     code, _, err = run_main(
-        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--count", "8",
-        "--long-length", "256", "--long-count", "4", "--budgets", "40", "--rounds", "1", "--validation-budgets", "40",
+        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--count", "4",
+        "--long-length", "512", "--long-count", "4", "--budgets", "40", "--rounds", "1", "--validation-budgets", "40",
         "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
     predictor = Predictor.load(out)
     held = {text_id.split("-")[1] for text_id in predictor.validation["texts"]}
-    long = [text_id for text_id in predictor.texts if text_id.split("-")[2] == "256"]
+    long = [text_id for text_id in predictor.texts if text_id.split("-")[2] == "512"]
     assert len(long) == 4 and held and held.isdisjoint(text_id.split("-")[1] for text_id in long)
 
 
@@ -168,12 +186,12 @@ def test_the_long_excerpts_leave_out_the_documents_held_out_to_validate(capsys, 
     "args, message",
     [
         (["--long-length", "2048", "--long-count", "2"], "--long-length 2048 exceeds the 1024 positions"),
-        (["--long-count", "40"], "--long-count: 8 excerpts of 512 tokens come from the documents not held out"),
-        (["--long-length", "128", "--long-count", "2"], "--long-length (128) must exceed --length (128)"),
+        (["--long-count", "40"], "--long-count: 4 excerpts of 1024 tokens come from the documents not held out"),
+        (["--long-length", "256", "--long-count", "2"], "--long-length (256) must exceed --length (256)"),
     ],
 )
 def test_long_excerpts_that_cannot_be_had_are_refused_in_one_line(capsys, roomy_calibration, tmp_path, args, message):
-    base = ["--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--no-validation", "--out", "p.safetensors"]
+    base = ["--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--no-validation", "--out", "p.safetensors"]
     code, out, err = run_main(capsys, "calibrate", *base, *args)
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
 
@@ -195,106 +213,114 @@ def test_calibrate_runs_two_rounds_validates_on_held_out_documents_and_stores_th
     assert len(validation["texts"]) == 6 and held.isdisjoint({text_id.split("-")[1] for text_id in predictor.texts})
     assert validation["budgets"] == [40, 100] and set(validation["kl"]) == set(LEARNED + CANDIDATES)
     assert validation["verdict"] in (VERDICT_HELPS, VERDICT_DOES_NOT_HELP)
-    assert all(value > 0 for runs in validation["kl"].values() for value in runs["100"])  # every excerpt evicted
+    # a window of recent tokens is judged at the smallest budget only, every other policy at both
+    assert list(validation["kl"]["streamingllm"]) == ["40"]
+    assert all(list(rows) == ["40", "100"] for policy, rows in validation["kl"].items() if policy != "streamingllm")
+    evicted = [value for rows in validation["kl"].values() for value in rows.get("100", [])]
+    assert len(evicted) == 6 * (len(LEARNED + CANDIDATES) - 1) and min(evicted) > 0  # every excerpt evicted
     assert "x 2 rounds" in stdout and f"verdict: the predictor {validation['verdict']} (" in stdout
     assert predictor.helps == (validation["verdict"] == VERDICT_HELPS)
     assert predictor.verdict_line("mine").startswith(f"caote: predictor mine: {validation['verdict']} (b=40: ")
-    # validating it again fits nothing and, by default, reads the excerpts and budgets of its stored validation
+    # caote validate fits nothing and, by default, reads the excerpts and budgets of the stored validation
     again = tmp_path / "again.safetensors"
     code, stdout, err = run_main(
-        capsys, "calibrate", "--texts", str(folder), "--length", "256", "--validate", str(out), "--out", str(again)
+        capsys, "validate", str(out), "--texts", str(folder), "--length", "256", "--out", str(again)
     )  # fmt: skip
     assert code == 0, err
-    assert f"validated {out} again on the 6 excerpts of its stored validation" in stdout
+    assert f"validated {out} on the 6 excerpts of its stored validation" in stdout
     assert Predictor.load(again).validation["texts"] == validation["texts"]
     assert len(validation["digests"]) == 6 and Predictor.load(again).validation["digests"] == validation["digests"]
     assert Predictor.load(again).validation["kl"] == validation["kl"]  # budgets 40 and 100, as stored
     assert (Predictor.load(again).weights == predictor.weights).all()
-    # at another length its excerpts cannot be had: excerpts of documents it was not fitted on, the default budgets
+    # texts without its excerpts (the dev code): excerpts of documents it was not fitted on, the stored budgets
     code, stdout, err = run_main(
-        capsys, "calibrate", "--texts", str(folder), "--length", "128", "--budgets", "40", "--validate", str(out),
-        "--out", str(again),
+        capsys, "validate", str(out), "--domain", "code", "--length", "256", "--out", str(again)
     )  # fmt: skip
     assert code == 0, err
-    assert f"validated {out} again on 6 excerpts of documents it was not fitted on" in stdout
+    assert f"validated {out} on 6 excerpts of documents it was not fitted on" in stdout
     assert Predictor.load(again).validation["budgets"] == [40, 100]
-    assert {text_id.split("-")[2] for text_id in Predictor.load(again).validation["texts"]} == {"128"}
+    assert all(text_id.startswith("code-") for text_id in Predictor.load(again).validation["texts"])
 
 
 def test_recompute_keeps_the_stored_rows_of_the_policies_it_does_not_name(capsys, tiny_calibration, tmp_path):
     out, again = tmp_path / "mine.safetensors", tmp_path / "again.safetensors"
     folder = folder_of_texts(tmp_path)
-    base = ["calibrate", "--texts", str(folder), "--length", "256"]
     code, _, err = run_main(
-        capsys, *base, "--budgets", "40", "--rounds", "1", "--validation-budgets", "40", "--out", str(out)
-    )
+        capsys, "calibrate", "--texts", str(folder), "--length", "256", "--budgets", "40", "--rounds", "1",
+        "--validation-budgets", "40", "--out", str(out),
+    )  # fmt: skip
     assert code == 0, err
     original = Predictor.load(out)
     stored = original.validation
-    # rows no run could give: h2o+caote's (not named: kept, so the verdict must read it), learned's (named: run again)
-    marked = dict(stored, kl={**stored["kl"], "h2o+caote": {"40": [0.0] * 6}, "learned": {"40": [9.0] * 6}})
+    # rows no run could give: h2o+caote's (not named: kept, so the verdict must read it), learned+caote's (named: run
+    # again)
+    marked = dict(stored, kl={**stored["kl"], "h2o+caote": {"40": [0.0] * 6}, "learned+caote": {"40": [9.0] * 6}})
     del marked["kl"]["learned-block"]  # as in a validation from before learned-block: computed, though not named
     original.details["validation"] = marked
     original.save(out)
-    code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
+    base = ["validate", str(out), "--texts", str(folder), "--length", "256"]
+    code, stdout, err = run_main(capsys, *base, "--recompute", "learned+caote", "--out", str(again))
     assert code == 0, err
-    assert "rows of learned, learned-block recomputed, the others as stored" in stdout
+    assert "rows of learned+caote, learned-block recomputed, the others as stored" in stdout
     assert "36/36" in err  # blocks: 6 excerpts x 2 blocks x (1 full + 2 policies x 1 budget)
     validation = Predictor.load(again).validation
-    assert validation["recomputed"] == ["learned", "learned-block"] and list(validation["kl"]) == list(stored["kl"])
+    assert validation["recomputed"] == ["learned+caote", "learned-block"]
+    assert list(validation["kl"]) == list(stored["kl"])
     assert validation["kl"]["h2o+caote"] == {"40": [0.0] * 6}  # kept, not run
     assert validation["best"] == {"40": "h2o+caote"} and validation["verdict"] == VERDICT_DOES_NOT_HELP
-    for policy in ("learned", "learned-block", "streamingllm"):
+    for policy in ("learned+caote", "learned-block", "streamingllm"):
         assert validation["kl"][policy]["40"] == pytest.approx(stored["kl"][policy]["40"]), policy  # run alike, kept
     for args, message in [
         (
-            ["--length", "128", "--budgets", "40"],
+            ["--domain", "code"],
             "--recompute keeps rows of the stored validation's excerpts, but the "
             "texts lack some of them (another --length, --domain or --texts?)",
         ),
         (["--validation-budgets", "40,100"], "--recompute: --validation-budgets must be the stored validation's, 40"),
-        (["--recompute", "learned,nope"], "--recompute takes policies of the validation (learned+caote, learned"),
+        (["--recompute", "learned,nope"], "--recompute takes policies of the validation (learned+caote, learned-"),
     ]:
-        argv = ["calibrate", "--texts", str(folder), "--validate", str(out), "--recompute", "learned", "--out", "x"]
+        source = [] if "--domain" in args else ["--texts", str(folder)]
+        argv = ["validate", str(out), *source, "--recompute", "learned-block", "--out", "x"]
         code, stdout, err = run_main(capsys, *argv, *args)
         assert code == 2 and stdout == "" and err.count("\n") == 1 and message in err, err
     original.details["validation"] = {key: value for key, value in stored.items() if key != "digests"}
     original.save(out)
-    code, _, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
+    code, _, err = run_main(capsys, *base, "--recompute", "learned-block", "--out", str(again))
     assert code == 2 and "predates excerpt digests: validate it whole" in err
     original.details["validation"] = None
     original.save(out)
-    code, _, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(again))
+    code, _, err = run_main(capsys, *base, "--recompute", "learned-block", "--out", str(again))
     assert code == 2 and "has no stored validation to keep rows of" in err
 
 
 def test_validating_again_says_why_when_the_stored_excerpts_texts_changed(capsys, tiny_calibration, tmp_path):
     out = tmp_path / "mine.safetensors"
     folder = folder_of_texts(tmp_path)
-    base = ["calibrate", "--texts", str(folder), "--length", "256"]
     code, _, err = run_main(
-        capsys, *base, "--budgets", "40", "--rounds", "1", "--validation-budgets", "40", "--out", str(out)
-    )
+        capsys, "calibrate", "--texts", str(folder), "--length", "256", "--budgets", "40", "--rounds", "1",
+        "--validation-budgets", "40", "--out", str(out),
+    )  # fmt: skip
     assert code == 0, err
-    code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--out", str(out))
+    base = ["validate", str(out), "--texts", str(folder), "--length", "256"]
+    code, stdout, err = run_main(capsys, *base, "--out", str(out))
     assert code == 0 and "not the stored validation's excerpts" not in err, err
-    assert "again on the 6 excerpts of its stored validation" in stdout
+    assert "on the 6 excerpts of its stored validation" in stdout
     held = folder / f"{Predictor.load(out).validation['texts'][0].split('-')[1]}.txt"
     held.write_text(held.read_text().replace("says", "writes"))  # the same file name, another text
-    code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--recompute", "learned", "--out", str(out))
+    code, stdout, err = run_main(capsys, *base, "--recompute", "learned-block", "--out", str(out))
     assert code == 2 and stdout == "" and err.count("\n") == 1, err
     assert "--recompute keeps rows of the stored validation's excerpts, but the texts hold their ids, not all" in err
-    code, stdout, err = run_main(capsys, *base, "--validate", str(out), "--out", str(out))
+    code, stdout, err = run_main(capsys, *base, "--out", str(out))
     assert code == 0, err
     assert "not the stored validation's excerpts: the texts hold their ids, not all of their text" in err
-    assert "again on 6 excerpts of documents it was not fitted on" in stdout
+    assert "on 6 excerpts of documents it was not fitted on" in stdout
 
 
 def test_a_stored_validation_is_read_again_only_where_ids_and_texts_match():
     from types import SimpleNamespace
 
-    from caote.calibrate_command import stored_excerpts
     from caote.evaluation.validation import digest
+    from caote.validate_command import stored_excerpts
 
     texts = [Text(f"code-doc{index}-256-0", 256, f"text of document {index}", f"doc{index}") for index in range(3)]
     stored = {"texts": [texts[2].id, texts[0].id], "budgets": [40]}
@@ -314,10 +340,10 @@ def test_a_stored_validation_is_read_again_only_where_ids_and_texts_match():
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-long", "gemma3-270m"])
 def test_the_shipped_predictors_find_the_excerpts_of_their_stored_validation(tokenizer, name):
-    from caote.calibrate_command import stored_excerpts
     from caote.evaluation.calibration.texts import calibration_texts
     from caote.models import GEMMA3, resolve_model_path
     from caote.predictor import PREDICTOR_DIR
+    from caote.validate_command import stored_excerpts
 
     if name == GEMMA3.name:  # its tokenizer comes with the gemma extra, which the test command does not install
         if not GEMMA3.available():
@@ -336,7 +362,7 @@ def test_the_shipped_predictors_find_the_excerpts_of_their_stored_validation(tok
 def test_too_few_documents_give_no_verdict_and_say_so(capsys, tiny_calibration, tmp_path):
     out = tmp_path / "mine.safetensors"
     folder = folder_of_texts(tmp_path, documents=2, lines=60)
-    args = ["--texts", str(folder), "--length", "128", "--budgets", "40", "--rounds", "1", "--out", str(out)]
+    args = ["--texts", str(folder), "--length", "256", "--budgets", "40", "--rounds", "1", "--out", str(out)]
     code, stdout, err = run_main(capsys, "calibrate", *args)
     assert code == 0, err
     assert "leave fewer than 6 excerpts to validate on" in err and "carries no verdict" in stdout
@@ -354,7 +380,7 @@ def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calib
     )
     monkeypatch.setattr(target, interrupted)
     out = tmp_path / "mine.safetensors"
-    args = ["--texts", str(folder_of_texts(tmp_path)), "--length", "128", "--budgets", "40", "--out", str(out)]
+    args = ["--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--budgets", "40", "--out", str(out)]
     code, _, err = run_main(capsys, "calibrate", *args)
     assert code == 130 and err.endswith("caote calibrate: interrupted\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["texts"]
@@ -365,14 +391,15 @@ def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calib
     [
         (["--rounds", "0"], "argument --rounds: must be a positive integer, got '0'"),
         (["--validation-budgets", "128,x"], "--validation-budgets must be comma-separated values"),
-        (["--validate", "no.safetensors"], "--validate 'no.safetensors' is not a file"),
         (["--validation-budgets", "16"], "budget 16 leaves no room to choose"),
         (["--validation-budgets", "30"], "--validation-budgets: budget 30 leaves no room to choose: it must exceed"),
         (["--length", "1024", "--long-length", "512"], "--long-length (512) must exceed --length (1024)"),
         (["--long-count", "-1"], "argument --long-count: must be an integer >= 0"),
         (["--long-length", "4096"], "--long-length takes effect with --long-count N"),
         (["--no-balance-lengths"], "--no-balance-lengths takes effect with --long-count N"),
-        (["--recompute", "learned"], "--recompute takes effect with --validate FILE"),
+        (["--validate", "p.safetensors"], "unrecognized arguments: --validate p.safetensors"),  # caote validate
+        (["--first-round-share", "0"], "--first-round-share must lie in (0, 1], got 0.0"),
+        (["--device", "nonsense"], "--device 'nonsense' cannot be used here"),
     ],
 )
 def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch, args, message):
@@ -381,25 +408,55 @@ def test_bad_recipe_options_exit_2_before_loading_the_model(capsys, monkeypatch,
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
 
 
-def test_calibration_keeps_one_row_of_logits_per_block_but_the_last(capsys, tiny_calibration, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["missing.safetensors"], "'missing.safetensors' is not a file (write one with caote calibrate)"),
+        ([SHIPPED, "--device", "nonsense"], "--device 'nonsense' cannot be used here"),
+        ([SHIPPED, "--recompute", "tova+caote"], "--recompute takes policies of the validation (learned+caote"),
+        ([SHIPPED, "--validation-budgets", "16"], "budget 16 leaves no room to choose"),
+        ([SHIPPED, "--length", "128"], "--length must exceed one prefill block (128 tokens: the eviction after"),
+    ],
+)
+def test_bad_validate_options_exit_2_before_loading_the_model(capsys, monkeypatch, args, message):
+    monkeypatch.setattr("caote.models.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, out, err = run_main(capsys, "validate", *map(str, args), "--out", "p.safetensors")
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_each_text_is_read_once_with_the_full_cache_keeping_one_row_of_logits_per_block(
+    capsys, tiny_calibration, tmp_path, monkeypatch
+):
     """The fit reads the full cache's future attention, not its log-probs: a block's logits over the vocabulary (at
-    8,192 tokens, 8.6 GB for Gemma-3) are computed for its last row only."""
+    8,192 tokens, 8.6 GB for Gemma-3) are computed for its last row only; that pass serves every round and budget;
+    the evicting passes stop before the last block, whose eviction no later query reads."""
     from caote.evaluation.calibration import recipe as calibration
 
-    references = []
+    references, passes = [], []
 
     def recorded(*args, **kwargs):
         references.append(calibration_reference(*args, **kwargs))
         return references[-1]
 
-    calibration_reference = calibration.reference_pass
+    def rolled_out(model, input_ids, *args):
+        passes.append(input_ids.shape[1])
+        return calibration_roll_out(model, input_ids, *args)
+
+    calibration_reference, calibration_roll_out = calibration.reference_pass, calibration.roll_out
     monkeypatch.setattr(calibration, "reference_pass", recorded)
+    monkeypatch.setattr(calibration, "roll_out", rolled_out)
     out = tmp_path / "mine.safetensors"
     code, _, err = run_main(
-        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--budgets", "40",
-        "--rounds", "1", "--count", "4", "--no-validation", "--out", str(out),
+        capsys, "calibrate", "--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--budgets", "40,100",
+        "--count", "8", "--no-validation", "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
-    assert len(references) == 4
+    assert len(references) == 8  # two rounds, two budgets: one full-cache pass per text
+    # the first round reads a quarter of the texts (at least 4), the second all 8, at both budgets, 128 tokens each
+    assert passes == [128] * (4 * 2 + 8 * 2) and Predictor.load(out).details["rolled_out_by"] == [
+        Predictor.load(out).texts[:4]
+    ]
+    # blocks of 128: 8 full-cache passes of 2 blocks, then 24 evicting passes of 1
+    assert "40/40" in err
     for reference in references:
         assert [rows.shape[0] for rows in reference.log_probs[:-1]] == [1] * (len(reference.log_probs) - 1)

@@ -292,7 +292,7 @@ def test_no_parser_takes_abbreviated_options():
     from caote.evaluation.cli import report_parser
 
     parsers = [*every_parser(build_parser()), report_parser()]
-    assert len(parsers) == 7 and all(parser.allow_abbrev is False for parser in parsers)
+    assert len(parsers) == 8 and all(parser.allow_abbrev is False for parser in parsers)
 
 
 @pytest.mark.parametrize(
@@ -596,7 +596,7 @@ def test_bench_help_prints_lists_not_tuples(capsys):
         (["--out", "p.safetensors", "--rollout-predictor", "no.safetensors"], "--rollout-predictor 'no.safetensors'"),
         (["--out", "p.safetensors", "--mass-weight", "-1"], "--mass-weight must lie in [0, 4], got -1.0"),
         (["--out", "no/such/dir/p.safetensors"], "--out 'no/such/dir/p.safetensors': folder 'no/such/dir' does not"),
-        (["--out", "p.safetensors", "--length", "5", "--count", "1"], "--length must be at least one prefill block"),
+        (["--out", "p.safetensors", "--length", "5", "--count", "1"], "--length must exceed one prefill block"),
     ],
 )
 def test_bad_calibrate_options_exit_2_before_loading_the_model(capsys, no_model_load, args, message):

@@ -171,7 +171,9 @@ def test_rope_is_undone_by_position(llama, newest):
     assert calls == []
 
 
-TINY_TEXTS = [Text(f"mine-{i}", 96, "x" * (i + 1), f"mine-{i}") for i in range(4)]
+# 128 tokens in blocks of 32: the evicting passes read three blocks (the last one's eviction has no future) and evict
+# after the second and the third, so the second eviction's rows depend on how the first ranked
+TINY_TEXTS = [Text(f"mine-{i}", 128, "x" * (i + 1), f"mine-{i}") for i in range(4)]
 
 
 def tiny_recipe(**fields) -> Recipe:
@@ -180,7 +182,7 @@ def tiny_recipe(**fields) -> Recipe:
 
 
 def calibrated(model, tmp_path, groups=("scalars", "key")) -> str:
-    predictor = calibrate(model, RandomIds(96), TINY_TEXTS, tiny_recipe(groups=groups), progress=False)
+    predictor = calibrate(model, RandomIds(128), TINY_TEXTS, tiny_recipe(groups=groups), progress=False)
     return str(predictor.save(tmp_path / "tiny.safetensors"))
 
 
@@ -195,14 +197,14 @@ def test_a_second_round_rolls_out_the_learned_policy_with_the_first_rounds_predi
         return ranking
 
     monkeypatch.setattr(CollectingLayer, "predict", spied)
-    second = calibrate(llama, RandomIds(96), TINY_TEXTS, tiny_recipe(), progress=False, rollout=first)
+    second = calibrate(llama, RandomIds(128), TINY_TEXTS, tiny_recipe(), progress=False, rollout=first)
     assert rankings and not any(rankings)  # every pass ranked by the first predictor, not by H2O's mass
     assert second.details["rolled_out_by"] == [first.texts] and not torch.allclose(second.weights, first.weights)
     elsewhere = Predictor(second.weights, second.groups, "m", second.fingerprint, ["mine-9"], second.details)
     with pytest.raises(ValueError, match="documents of 1 of the texts"):  # the first round's texts count too
         check_disjoint(elsewhere, ["mine-0"])
     with pytest.raises(ValueError, match="must be of this model and of the features scalars$"):
-        calibrate(llama, RandomIds(96), TINY_TEXTS, tiny_recipe(groups=("scalars",)), progress=False, rollout=first)
+        calibrate(llama, RandomIds(128), TINY_TEXTS, tiny_recipe(groups=("scalars",)), progress=False, rollout=first)
 
 
 def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tmp_path):
@@ -214,10 +216,10 @@ def test_calibration_writes_a_predictor_that_the_learned_policies_read(llama, tm
     assert predictor.texts == [f"mine-{i}" for i in range(4)] and predictor.fingerprint == model_fingerprint(llama)
     assert predictor.details["rows"] > 0 and predictor.details["held_out_mse"] > 0
     assert predictor.details["mass_weight"] == 1.0 and predictor.details["budgets"] == [40]
-    unweighted = calibrate(llama, RandomIds(96), TINY_TEXTS, tiny_recipe(mass_weight=0), progress=False)
+    unweighted = calibrate(llama, RandomIds(128), TINY_TEXTS, tiny_recipe(mass_weight=0), progress=False)
     assert unweighted.details["mass_weight"] == 0 and not torch.allclose(unweighted.weights, predictor.weights)
     assert predictor.details["target"] == "mass"
-    change = calibrate(llama, RandomIds(96), TINY_TEXTS, tiny_recipe(target="change"), progress=False)
+    change = calibrate(llama, RandomIds(128), TINY_TEXTS, tiny_recipe(target="change"), progress=False)
     assert change.details["target"] == "change" and not torch.allclose(change.weights, predictor.weights)
     with pytest.raises(ValueError, match=r"mass_weight must lie in \[0, 4\], got -0.5"):
         tiny_recipe(mass_weight=-0.5)
@@ -232,7 +234,8 @@ def test_balanced_lengths_give_each_lengths_rows_an_equal_share_of_the_fit(llama
     def tokenizer(text, return_tensors=None):  # a text of n characters is n random ids, seeded by its letter
         return types.SimpleNamespace(input_ids=random_ids(len(text), seed=ord(text[0])))
 
-    texts = [Text(f"{letter}-64", 64, letter * 64, letter) for letter in "abc"]
+    # 96 tokens in blocks of 32: the evicting pass reads two blocks and evicts after the second (64 > 40)
+    texts = [Text(f"{letter}-96", 96, letter * 96, letter) for letter in "abc"]
     texts += [Text(f"{letter}-256", 256, letter * 256, letter) for letter in "lm"]
     options = dict(budgets=(40, 160), block_size=32, rounds=1)
     plain = calibrate(llama, tokenizer, texts, Recipe(balance_lengths=False, **options), progress=False)

@@ -1,5 +1,5 @@
-"""A predictor file given to ``caote generate --predictor``, ``caote eval --predictor`` or ``caote calibrate
---validate`` is checked before the model loads, from the file and the model's config and fingerprint
+"""A predictor file given to ``caote generate --predictor``, ``caote eval --predictor`` or ``caote validate`` is
+checked before the model loads, from the file and the model's config and fingerprint
 (`caote.predictor.Predictor.check_file` against `caote.models.model_identity`): a file that is not a predictor, NaN
 weights, weights of another shape or of another model are one line, exit 2, and the model never loads."""
 
@@ -34,7 +34,7 @@ REFUSALS = {
 COMMANDS = {
     "generate": (["generate", "hi", "--predictor", "{file}"], "--predictor"),
     "eval": (["eval", "perplexity", "--predictor", "{file}", "--out", "{out}"], "--predictor"),
-    "calibrate": (["calibrate", "--validate", "{file}", "--out", "{out}/p.safetensors"], "--validate"),
+    "validate": (["validate", "{file}", "--out", "{out}/p.safetensors"], "the predictor"),
 }
 
 
@@ -133,7 +133,7 @@ def test_check_file_refuses_what_it_can_tell_and_passes_the_rest(llama, qwen3, t
         Predictor.check_file(nan.save(tmp_path / "nan.safetensors"), "tiny")
 
 
-def test_calibrate_validate_refuses_another_models_predictor_once_the_loaded_model_tells(
+def test_validate_refuses_another_models_predictor_once_the_loaded_model_tells(
     capsys, tokenizer, monkeypatch, tmp_path
 ):
     """A local model's fingerprint is known only once it loads: a predictor of its shapes but another model's weights
@@ -141,12 +141,12 @@ def test_calibrate_validate_refuses_another_models_predictor_once_the_loaded_mod
     model = tiny_model("llama", vocab_size=49152, max_position_embeddings=256)
     load_as(monkeypatch, model, tokenizer)
     monkeypatch.setattr("caote.models.model_identity", lambda name: ModelIdentity(model.config, None))
-    monkeypatch.setattr("caote.calibrate_command.validate_into", lambda *args: pytest.fail("validation started"))
+    monkeypatch.setattr("caote.validate_command.validate_into", lambda *args: pytest.fail("validation started"))
     fitted = Predictor.for_model(model)  # calibrated on the fly (conftest)
     other = Predictor(fitted.weights, fitted.groups, "another-llama", "0123456789abcdef", [], {})
     path = other.save(tmp_path / "other.safetensors")
-    code, out, err = run_main(capsys, "calibrate", "--validate", str(path), "--out", str(tmp_path / "p.safetensors"))
+    code, out, err = run_main(capsys, "validate", str(path), "--out", str(tmp_path / "p.safetensors"))
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith(
-        f"caote calibrate: error: --validate: predictor '{path}' was calibrated for 'another-llama', not"
+        f"caote validate: error: the predictor: predictor '{path}' was calibrated for 'another-llama', not"
     ), err

@@ -6,8 +6,7 @@
 - `texts`: the dev-split or folder excerpts calibration reads.
 
 Calibration texts are never evaluation texts: they come from the dev split, and the evaluation refuses a learned
-policy on any text of a document its predictor read (`caote.evaluation.splits`). Known simplifications: the texts
-choosing the ridge strengths are every fourth excerpt, so one document can give excerpts to both sides (the choice
-of strength is then a little optimistic); evictions after the last block, whose future is empty, still add rows
-(their targets are all equal, so they only shrink the weights a little).
+policy on any text of a document its predictor read (`caote.evaluation.splits`). A known simplification: the
+texts choosing the ridge strengths are every fourth excerpt, so one document can give excerpts to both sides (the
+choice of strength is then a little optimistic).
 """

@@ -2,13 +2,15 @@
 
 Each text is read once with the full cache (`caote.evaluation.lockstep.reference_pass`), which records what later
 queries give every token (`caote.future`); that record serves every round and budget. Each round then reads every
-text again under an evicting cache at each budget (`collection.roll_out`), collecting rows, and fits the ridge
+text again under an evicting cache at each budget (`collection.roll_out`), collecting rows at every eviction but
+the one after the last block (no query comes later, so the pass stops before that block), and fits the ridge
 weights (`ridge.solve_heads`); the first round evicts by H2O's mass, each later one by the previous round's
 predictor (on-policy rows: DAgger-like, each round fitted on its own rows only).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from tqdm.auto import tqdm
 
 from caote.defaults import (
     CALIBRATION_BUDGETS,
+    CALIBRATION_FIRST_ROUND_SHARE,
     CALIBRATION_MASS_WEIGHT,
     CALIBRATION_ROUNDS,
     CALIBRATION_TARGET,
@@ -50,6 +53,7 @@ class Recipe:
     budgets: tuple[int, ...] = CALIBRATION_BUDGETS
     groups: tuple[str, ...] = DEFAULT_FEATURE_GROUPS
     rounds: int = CALIBRATION_ROUNDS
+    first_round_share: float = CALIBRATION_FIRST_ROUND_SHARE
     recent_window: int | float = LEARNED_RECENT
     block_size: int = DEFAULT_BLOCK_SIZE
     mass_weight: float = CALIBRATION_MASS_WEIGHT
@@ -63,6 +67,8 @@ class Recipe:
             raise ValueError(f"rounds must be at least 1, got {self.rounds}")
         if not self.groups or any(group not in FEATURE_GROUPS for group in self.groups):
             raise ValueError(f"feature groups are some of {', '.join(FEATURE_GROUPS)}, got {self.groups}")
+        if not 0 < self.first_round_share <= 1:
+            raise ValueError(f"first_round_share must lie in (0, 1], got {self.first_round_share}")
         if self.target not in FUTURE_TARGETS:
             raise ValueError(f"target is one of {', '.join(FUTURE_TARGETS)}, got {self.target!r}")
         check_mass_weight(self.mass_weight)
@@ -74,13 +80,25 @@ class Recipe:
         recent = self.recent_window if isinstance(self.recent_window, int) else int(self.recent_window * budget)
         return rollout_settings(budget, recent, self.block_size)
 
+    def round_texts(self, texts: list, round_number: int) -> list:
+        """The texts round ``round_number`` (from 0) reads: all of them, but for a first round followed by others
+        the first `first_round_share` of them (at least `HELD_OUT_EVERY`, so that one chooses the ridge
+        strengths)."""
+        if round_number or self.rounds == 1:
+            return texts
+        return texts[: max(HELD_OUT_EVERY, math.ceil(self.first_round_share * len(texts)))]
+
     def blocks(self, texts: list) -> int:
-        """The blocks `calibrate` reads for ``texts``: a full-cache pass of each, then one evicting pass per round
-        and budget the text exceeds (the progress bar's unit: every block costs about the same)."""
-        return sum(
-            -(-text.length // self.block_size) * (1 + self.rounds * len(evicting_budgets(text.length, self.budgets)))
-            for text in texts
-        )
+        """The blocks `calibrate` reads for ``texts``: a full-cache pass of each, then one evicting pass, up to its
+        last block, per round that reads it and budget it exceeds (the progress bar's unit: every block costs
+        about the same)."""
+        total, read = 0, set()
+        for number in range(self.rounds):
+            for text in self.round_texts(texts, number):
+                size = -(-text.length // self.block_size)
+                total += size * (id(text) not in read) + (size - 1) * len(evicting_budgets(text.length, self.budgets))
+                read.add(id(text))
+        return total
 
 
 def calibrate(
@@ -112,14 +130,15 @@ def calibrate(
     own_bar = bar is None
     if own_bar:
         bar = tqdm(total=recipe.blocks(texts), desc="caote calibrate", unit="block", disable=not progress)
-    futures: dict[int, object] = {}  # text number -> its full-cache future, read by every round and budget
+    futures: dict[int, object] = {}  # id(text) -> its full-cache future, read by every round and budget
     earlier = [] if rollout is None else rollout.details.get("rolled_out_by", []) + [rollout.texts]
     predictor = rollout
     for round_number in range(recipe.rounds):
-        collectors = _round(model, tokenizer, texts, recipe, predictor, futures, bar)
+        read = recipe.round_texts(texts, round_number)
+        collectors = _round(model, tokenizer, read, recipe, predictor, futures, bar)
         if round_number:
             earlier = earlier + [predictor.texts]
-        predictor = _fitted(model, collectors, texts, recipe, began, model_name, earlier or None)
+        predictor = _fitted(model, collectors, read, recipe, began, model_name, earlier or None)
     if own_bar:
         bar.close()
     return predictor
@@ -134,13 +153,13 @@ def _round(model, tokenizer, texts: list, recipe: Recipe, rollout: Predictor | N
     for number, text in enumerate(texts):
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)  # as the evaluation tokenises
         blocks = -(-text.length // recipe.block_size)
-        if number not in futures:
+        if id(text) not in futures:
             # the fit reads no log-probs: scoring only the last token keeps one row of logits per block instead of
             # all of them (at 8,192 tokens, Gemma-3's 262,144-word vocabulary made that 8.6 GB and much of the pass)
             reference = reference_pass(
                 model, ids, recipe.block_size, future=True, states=set(), scored_tail=1, future_target=recipe.target
             )
-            futures[number] = reference.future
+            futures[id(text)] = reference.future
             bar.update(blocks)
         for budget in evicting_budgets(text.length, recipe.budgets):
             settings = recipe.settings(budget)
@@ -153,10 +172,22 @@ def _round(model, tokenizer, texts: list, recipe: Recipe, rollout: Predictor | N
                 mass_weight=recipe.mass_weight,
             )
             collector.part = "held_out" if number % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "fit"
-            roll_out(model, ids, settings, futures[number], collector)
+            # the eviction after the last block has no future to learn from: the pass stops before that block
+            roll_out(
+                model,
+                ids[:, : last_block_start(ids.shape[1], recipe.block_size)],
+                settings,
+                futures[id(text)],
+                collector,
+            )
             collectors.append((collector, text.length))
-            bar.update(blocks)
+            bar.update(blocks - 1)
     return collectors
+
+
+def last_block_start(tokens: int, block_size: int) -> int:
+    """Where the last block of a ``tokens``-long text begins."""
+    return (tokens - 1) // block_size * block_size
 
 
 def length_shares(collectors: list) -> dict:

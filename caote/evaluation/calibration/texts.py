@@ -46,6 +46,6 @@ def calibration_length(model) -> int:
 
 
 def default_count(length: int) -> int:
-    """How many excerpts of ``length`` tokens make `CALIBRATION_TOKENS` (the 40 excerpts of 1,024 tokens the
-    bundled model's predictor was fitted on), at least `HELD_OUT_EVERY` so a ridge strength can be chosen."""
+    """How many excerpts of ``length`` tokens make `CALIBRATION_TOKENS`, at least `HELD_OUT_EVERY` so a ridge
+    strength can be chosen."""
     return max(HELD_OUT_EVERY, round(CALIBRATION_TOKENS / length))
