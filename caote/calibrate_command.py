@@ -199,7 +199,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     # start-up: calibration imports torch and transformers, which argument errors do not need
     from caote.evaluation.calibration.recipe import Recipe, calibrate
-    from caote.evaluation.validation import CANDIDATES, LEARNED, validation_blocks
+    from caote.evaluation.validation import CANDIDATES, LEARNED, logits_cost, validation_units
 
     try:  # refused before the model loads
         recipe = Recipe(
@@ -227,7 +227,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
     warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line
     validation_budgets = validation_budgets or default_validation_budgets(budgets[0])
     policies = LEARNED + CANDIDATES
-    blocks = recipe.blocks(fit) + (0 if args.no_validation else validation_blocks(held, policies, validation_budgets))
+    # the bar counts blocks read, a validation block weighing what its logits add (`logits_cost`)
+    cost = logits_cost(model)
+    blocks = recipe.blocks(fit) + (
+        0 if args.no_validation else validation_units(held, policies, validation_budgets, cost)
+    )
     from tqdm.auto import tqdm
 
     with tqdm(total=blocks, desc="caote calibrate", unit="block") as bar:

@@ -89,9 +89,10 @@ def run_validate(args: argparse.Namespace) -> int:
         budgets = list(stored["budgets"]) if stored is not None else default_validation_budgets(first)
     from tqdm.auto import tqdm
 
-    from caote.evaluation.validation import validation_blocks
+    from caote.evaluation.validation import logits_cost, validation_units
 
-    with tqdm(total=validation_blocks(held, policies, budgets), desc="caote validate", unit="block") as bar:
+    total = validation_units(held, policies, budgets, logits_cost(model))
+    with tqdm(total=total, desc="caote validate", unit="block") as bar:
         verdict = validate_into(given, model, tokenizer, held, budgets, bar, policies, kept)
     path = save(given, args)
     excerpts = (

@@ -1,4 +1,4 @@
-"""The per-layer budget probe of issue 43 (benchmarks/allocation_probe.py): its greedy allocation and the cache it
+"""The per-layer budget probe of benchmarks/allocation_probe.py: its greedy allocation and the cache it
 builds, whose every layer holds at most its own budget."""
 
 import pytest

@@ -10,7 +10,14 @@ from test_cli import run_main
 from caote.evaluation.calibration.texts import calibration_length, default_count
 from caote.evaluation.splits import hold_out
 from caote.evaluation.tasks import Text
-from caote.evaluation.validation import CANDIDATES, LEARNED, judge, validation_runs, validation_table
+from caote.evaluation.validation import (
+    CANDIDATES,
+    LEARNED,
+    judge,
+    logits_cost,
+    validation_runs,
+    validation_table,
+)
 from caote.predictor import PREDICTOR_DIR, VERDICT_DOES_NOT_HELP, VERDICT_HELPS, Predictor
 from caote.testing import tiny_model
 
@@ -262,7 +269,9 @@ def test_recompute_keeps_the_stored_rows_of_the_policies_it_does_not_name(capsys
     code, stdout, err = run_main(capsys, *base, "--recompute", "learned+caote", "--out", str(again))
     assert code == 0, err
     assert "rows of learned+caote, learned-block recomputed, the others as stored" in stdout
-    assert "36/36" in err  # blocks: 6 excerpts x 2 blocks x (1 full + 2 policies x 1 budget)
+    # 6 excerpts x 2 blocks x (1 full + 2 policies x 1 budget), each block weighing what its logits cost
+    units = 6 * 3 * round(2 * logits_cost(tiny_calibration))
+    assert f"{units}/{units}" in err
     validation = Predictor.load(again).validation
     assert validation["recomputed"] == ["learned+caote", "learned-block"]
     assert list(validation["kl"]) == list(stored["kl"])

@@ -1,4 +1,4 @@
-"""The per-layer diagnosis of issue 41 (benchmarks/captured_mass.py): the share of the oracle's top-b future mass a
+"""The per-layer diagnosis of benchmarks/captured_mass.py: the share of the oracle's top-b future mass a
 policy keeps, per evicting layer."""
 
 import pytest

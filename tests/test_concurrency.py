@@ -1,5 +1,5 @@
 """One loaded model used by several threads at once: each thread's own `EvictionCache`, and plain forwards beside
-them, give exactly what they give alone (issue 23)."""
+them, give exactly what they give alone."""
 
 from __future__ import annotations
 

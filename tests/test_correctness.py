@@ -1,4 +1,4 @@
-"""Every supported configuration evicts exactly what it claims; every other one is refused (issue 8)."""
+"""Every supported configuration evicts exactly what it claims; every other one is refused."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Every supported family, each a tiny random model built from its config class: the core guarantees hold (issue 13).
+"""Every supported family, each a tiny random model built from its config class: the core guarantees hold.
 
 The README's family table is generated from the same matrix (`caote.families.FAMILIES`).
 """

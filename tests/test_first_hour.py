@@ -1,4 +1,4 @@
-"""The first hour of a new user (issue 23, items 11-16): the README's main job runs the paper's bases and prints the
+"""The first hour of a new user: the README's main job runs the paper's bases and prints the
 KL plot, `caote bench` leaves the committed results alone, the virtual environment comes first and is ignored, the
 main job's row count and the policy-choice table the README quotes have one source each, caote-ahead's fidelity
 measures its blocks, and every CSV has its header."""

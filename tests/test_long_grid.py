@@ -1,4 +1,4 @@
-"""The long grid (issue 24): parts on two models at 4k-8k tokens, the last 1,024 tokens scored, essays joined into
+"""The long grid: parts on two models at 4k-8k tokens, the last 1,024 tokens scored, essays joined into
 one stream for lengths few essays reach, and a second bundled model that loads offline when its extra is installed."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`caote.reports.plots`: in the metric-vs-budget plot every line stays visible (issue 14, item 7); every plot,
-`caote eval`'s and `caote bench`'s, says which way is better and colours a policy alike (issue 44)."""
+"""`caote.reports.plots`: in the metric-vs-budget plot every line stays visible; every plot,
+`caote eval`'s and `caote bench`'s, says which way is better and colours a policy alike."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The base-score registry checks its entries when they are built, and the policy grammar is parsed and built in
-`caote.policies` alone (issue 40)."""
+`caote.policies` alone."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``caote eval report`` (issue 14, items 1 and 2): the README's grid does real work in a folder of the user's, the
+"""``caote eval report``: the README's grid does real work in a folder of the user's, the
 committed documents are written only with --docs and name the commits stored in the rows, and one overall progress
 bar advances when a row is saved. No model runs here: the runner's model calls are replaced."""
 

@@ -39,24 +39,22 @@ def validate(
 ) -> dict:
     """KL from the full cache of `LEARNED` (with the predictor at ``predictor_path``) and `CANDIDATES` at every
     budget on ``texts``, and the verdict (`judge`). ``bar``: a progress bar advanced by the blocks each pass
-    reads (`validation_blocks`). ``policies``: those to run; ``kept``: the rows (policy -> budget -> per-excerpt KL)
-    of a validation stored on the same texts and budgets, taken for the others as they are (the result lists the
-    ``recomputed`` ones)."""
+    reads, weighed by what a block costs (`validation_units`). ``policies``: those to run; ``kept``: the rows
+    (policy -> budget -> per-excerpt KL) of a validation stored on the same texts and budgets, taken for the others
+    as they are (the result lists the ``recomputed`` ones)."""
     runs = validation_runs(policies, budgets)
     fresh: dict[str, dict[str, list[float]]] = {}
     for policy, budget in runs:
         fresh.setdefault(policy, {})[str(budget)] = []
+    cost = logits_cost(model)
     for text in texts:
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)
-        blocks = -(-text.length // DEFAULT_BLOCK_SIZE)
         if bar is not None:
-            bar.update(blocks)  # the full-cache pass, read before the first result
+            bar.update(pass_units(text.length, None, None, cost))  # the full-cache pass, read before the first result
         for result in lockstep_results(model, ids, runs, predictor=str(predictor_path)):
             fresh[result["policy"]][str(result["budget"])].append(result["kl"])
             if bar is not None:
-                bar.update(
-                    blocks - skippable_blocks(result["policy"], result["budget"], DEFAULT_BLOCK_SIZE, text.length)
-                )
+                bar.update(pass_units(text.length, result["policy"], result["budget"], cost))
     rows = {**(kept or {}), **fresh}
     kl = {policy: rows[policy] for policy in LEARNED + CANDIDATES if policy in rows}
     return {
@@ -80,15 +78,33 @@ def validation_runs(policies, budgets) -> list[tuple[str, int]]:
     ]
 
 
-def validation_blocks(texts: list, policies, budgets, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """The blocks `validate` reads: per excerpt a full-cache pass, then each of its `validation_runs` from the first
-    block that differs from the full cache's (`caote.evaluation.lockstep.skippable_blocks`)."""
-    total = 0
-    for text in texts:
-        blocks = -(-text.length // block_size)
-        runs = validation_runs(policies, budgets)
-        total += blocks * (1 + len(runs)) - sum(skippable_blocks(*run, block_size, text.length) for run in runs)
-    return total
+def logits_cost(model) -> float:
+    """What a validation block costs against a calibration block: every row's logits over the vocabulary besides the
+    model's body, ``1 + (vocabulary x hidden) / (the body's weights)`` (SmolLM2-135M: 1.27, as measured)."""
+    weights = sum(parameter.numel() for parameter in model.parameters())  # tied weights counted once
+    embedding = model.get_input_embeddings().weight
+    projection = model.get_output_embeddings().weight
+    body = weights - embedding.numel() - (0 if projection is embedding else projection.numel())
+    return 1 + projection.numel() / max(body, 1)
+
+
+def pass_units(length: int, policy: str | None, budget: int | None, cost: float, block_size: int = DEFAULT_BLOCK_SIZE):
+    """One validation pass of a ``length``-token excerpt in progress units (a calibration block each): the full
+    cache's (``policy`` None) or ``policy`` at ``budget`` from its first block that differs from the full cache's
+    (`caote.evaluation.lockstep.skippable_blocks`), each block weighing ``cost`` (`logits_cost`)."""
+    blocks = -(-length // block_size)
+    skipped = 0 if policy is None else skippable_blocks(policy, budget, block_size, length)
+    return round((blocks - skipped) * cost)
+
+
+def validation_units(texts: list, policies, budgets, cost: float) -> int:
+    """The progress units `validate` advances by: per excerpt its full-cache pass and each of its
+    `validation_runs` (`pass_units`)."""
+    runs = validation_runs(policies, budgets)
+    return sum(
+        pass_units(text.length, None, None, cost) + sum(pass_units(text.length, *run, cost) for run in runs)
+        for text in texts
+    )
 
 
 def digest(text: str) -> str:
