@@ -44,6 +44,7 @@ from caote.defaults import (
     CALIBRATION_ROUNDS,
     CALIBRATION_TARGET,
     CALIBRATION_TOKENS,
+    DEFAULT_BLOCK_SIZE,
     FEATURE_GROUPS,
     FUTURE_TARGETS,
 )
@@ -181,6 +182,12 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[int] | No
         raise UsageError("--long-length takes effect with --long-count N, the number of long excerpts to fit on")
     if not args.balance_lengths and not args.long_count:
         raise UsageError("--no-balance-lengths takes effect with --long-count N: without it, excerpts have one length")
+    if args.length is not None and min(budgets) >= (args.length - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE:
+        raise UsageError(
+            f"--length {args.length}: an evicting pass stops before the last block (its eviction has no later "
+            f"query), at token {(args.length - 1) // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE}, which no --budgets "
+            "value lies below: give a longer --length or smaller --budgets"
+        )
     if args.rollout_predictor is not None and not args.rollout_predictor.is_file():
         raise UsageError(
             f"--rollout-predictor '{args.rollout_predictor}' is not a file (write one with caote calibrate)"
@@ -216,7 +223,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         for field in ("mass_weight", "first_round_share"):  # the recipe's fields, as the command spells them
             message = message.replace(field, "--" + field.replace("_", "-"))
         raise UsageError(message) from None
-    check_validation_budgets(validation_budgets)
+    if not args.no_validation:
+        given = validation_budgets is not None
+        check_validation_budgets(validation_budgets or default_validation_budgets(budgets[0]), given)
     model, tokenizer = load_for(args)
     check_loaded(args.rollout_predictor, "--rollout-predictor", model)
     length, positions = excerpt_length(args, model)

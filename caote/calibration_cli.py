@@ -116,8 +116,9 @@ def check_loaded(path: Path | None, option: str, model) -> None:
         raise UsageError(f"{option}: {error}") from None
 
 
-def check_validation_budgets(budgets: list[int] | None) -> None:
-    """A `UsageError` for a ``--validation-budgets`` value a validated policy cannot run at."""
+def check_validation_budgets(budgets: list[int] | None, given: bool = True) -> None:
+    """A `UsageError` for a validation budget a validated policy cannot run at (``given``: named by
+    ``--validation-budgets``, else the default ones)."""
     from caote.evaluation.lockstep import cell_settings
     from caote.evaluation.validation import CANDIDATES, LEARNED
 
@@ -126,7 +127,8 @@ def check_validation_budgets(budgets: list[int] | None) -> None:
             for policy in LEARNED + CANDIDATES:
                 cell_settings(policy, budget)
     except ValueError as error:
-        raise UsageError(f"--validation-budgets: {error}") from None
+        where = "--validation-budgets" if given else f"the validation budgets {','.join(map(str, budgets))}"
+        raise UsageError(f"{where}: {error}" + ("" if given else " (give --validation-budgets)")) from None
 
 
 def load_for(args: argparse.Namespace):
@@ -212,7 +214,7 @@ def validate_into(
 
     if not held:
         return None
-    with tempfile.TemporaryDirectory(prefix="caote-calibrate-") as folder:
+    with tempfile.TemporaryDirectory(prefix="caote-predictor-") as folder:
         draft = predictor.save(Path(folder) / "draft.safetensors")
         predictor.details["validation"] = validate(model, tokenizer, draft, held, budgets, bar, policies, kept)
     return validation_table(predictor.details["validation"])

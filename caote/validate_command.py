@@ -75,11 +75,11 @@ def run_validate(args: argparse.Namespace) -> int:
     if not args.predictor.is_file():
         raise UsageError(f"'{args.predictor}' is not a file (write one with caote calibrate)")
     check_model(args.model)
-    given = load_predictor(args.predictor, "the predictor", args.model)
+    given = load_predictor(args.predictor, "PREDICTOR", args.model)
     check_validation_budgets(budgets)
     policies, kept = validation_plan(args, given, budgets)
     model, tokenizer = load_for(args)
-    check_loaded(args.predictor, "the predictor", model)
+    check_loaded(args.predictor, "PREDICTOR", model)
     length, _ = excerpt_length(args, model, stored_length(given))
     held, read_before = held_excerpts(args, tokenizer, length, given, recompute=kept is not None)
     warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line

@@ -408,6 +408,8 @@ def test_a_calibration_killed_midway_leaves_no_predictor_file(capsys, tiny_calib
         (["--no-balance-lengths"], "--no-balance-lengths takes effect with --long-count N"),
         (["--validate", "p.safetensors"], "unrecognized arguments: --validate p.safetensors"),  # caote validate
         (["--first-round-share", "0"], "--first-round-share must lie in (0, 1], got 0.0"),
+        (["--length", "200", "--budgets", "128"], "--length 200: an evicting pass stops before the last block"),
+        (["--budgets", "30"], "the validation budgets 30,120: budget 30 leaves no room to choose"),
         (["--device", "nonsense"], "--device 'nonsense' cannot be used here"),
     ],
 )

@@ -11,9 +11,15 @@ import torch
 from conftest import RandomIds, greedy, random_ids, tiny_model
 
 from caote.cache import EvictionCache
-from caote.evaluation.calibration.collection import CollectingLayer, Collector
+from caote.evaluation.calibration.collection import CollectingLayer, Collector, evicting_budgets
 from caote.evaluation.calibration.recipe import Recipe, calibrate, length_shares
-from caote.evaluation.calibration.ridge import MASS_WEIGHT_RANGE, NormalEquations, mass_weights
+from caote.evaluation.calibration.ridge import (
+    MASS_WEIGHT_RANGE,
+    NormalEquations,
+    mass_weights,
+    weighted_rows,
+    weighted_sums,
+)
 from caote.evaluation.calibration.texts import calibration_texts
 from caote.evaluation.splits import check_calibration_texts, check_disjoint
 from caote.evaluation.tasks import Text
@@ -77,6 +83,31 @@ def test_mass_weights_grow_with_the_future_mass_clipped_and_of_mean_one():
     assert torch.isclose(
         clipped.max() / clipped.min(), torch.tensor(MASS_WEIGHT_RANGE[1] / MASS_WEIGHT_RANGE[0]).double()
     )
+
+
+def test_each_heads_rows_are_weighted_and_centred_over_its_candidates_alone():
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(3, 40, 5, generator=generator, dtype=torch.float64)
+    target = torch.randn(3, 40, generator=generator, dtype=torch.float64) * 3
+    rows = torch.rand(3, 40, generator=generator) > 0.4
+    features[~rows] = float("nan")  # what a head does not hold must not reach its sums
+    xtx, xty, yty = weighted_sums(features, target, rows, 1.0)
+    for head in range(3):
+        x, y, weights = weighted_rows(features[head][rows[head]], target[head][rows[head]], 1.0)
+        root = weights.sqrt()
+        x, y = x * root[:, None], y * root
+        assert torch.allclose(xtx[head], x.T @ x) and torch.allclose(xty[head], x.T @ y)
+        assert torch.allclose(yty[head], y @ y)
+
+
+def test_the_first_round_reads_a_share_of_each_excerpt_length_and_passes_stop_before_the_last_block():
+    short = [Text(f"s-{i}", 1024, "x", f"s{i}") for i in range(40)]
+    texts = short + [Text(f"l-{i}", 4096, "x", f"l{i}") for i in range(10)]
+    first = Recipe(budgets=(128, 1024)).round_texts(texts, 0)
+    assert [text.length for text in first] == [1024] * 10 + [4096] * 4  # a quarter of each, at least 4
+    assert Recipe(budgets=(128,)).round_texts(texts, 1) == texts and Recipe(rounds=1).round_texts(texts, 0) == texts
+    assert evicting_budgets(1024, (128, 896, 900), 128) == [128]  # the pass reads 896 tokens: 896 never overflows
+    assert evicting_budgets(1000, (128, 896), 128) == [128]
 
 
 def test_weighing_rows_by_mass_fits_the_tokens_that_will_be_read():

@@ -105,8 +105,8 @@ def test_a_reference_pass_records_the_target_it_is_asked_for(model64):
 
 
 def test_scoring_only_the_last_token_records_the_same_future_with_one_logit_row_per_earlier_block(model64):
-    """Calibration's reference pass (`caote.evaluation.calibration.calibrate`) scores only the last token: the future
-    it fits to must not change, and the blocks before the last keep a single row of log-probs."""
+    """Calibration's reference pass (`caote.evaluation.calibration.recipe.calibrate`) scores only the last token: the
+    future it fits to must not change, and the blocks before the last keep a single row of log-probs."""
     ids = random_ids(4 * BLOCK, seed=6)
     every = reference_pass(model64, ids, BLOCK, future=True, states=set())
     last = reference_pass(model64, ids, BLOCK, future=True, states=set(), scored_tail=1)

@@ -34,7 +34,7 @@ REFUSALS = {
 COMMANDS = {
     "generate": (["generate", "hi", "--predictor", "{file}"], "--predictor"),
     "eval": (["eval", "perplexity", "--predictor", "{file}", "--out", "{out}"], "--predictor"),
-    "validate": (["validate", "{file}", "--out", "{out}/p.safetensors"], "the predictor"),
+    "validate": (["validate", "{file}", "--out", "{out}/p.safetensors"], "PREDICTOR"),
 }
 
 
@@ -148,5 +148,5 @@ def test_validate_refuses_another_models_predictor_once_the_loaded_model_tells(
     code, out, err = run_main(capsys, "validate", str(path), "--out", str(tmp_path / "p.safetensors"))
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith(
-        f"caote validate: error: the predictor: predictor '{path}' was calibrated for 'another-llama', not"
+        f"caote validate: error: PREDICTOR: predictor '{path}' was calibrated for 'another-llama', not"
     ), err

@@ -55,7 +55,12 @@ def validate(
             fresh[result["policy"]][str(result["budget"])].append(result["kl"])
             if bar is not None:
                 bar.update(pass_units(text.length, result["policy"], result["budget"], cost))
-    rows = {**(kept or {}), **fresh}
+    allowed = set(validation_runs(LEARNED + CANDIDATES, budgets))  # a kept row of a cell no longer run is left out
+    kept = {
+        policy: {b: kl for b, kl in cells.items() if (policy, int(b)) in allowed}
+        for policy, cells in (kept or {}).items()
+    }
+    rows = {**kept, **fresh}
     kl = {policy: rows[policy] for policy in LEARNED + CANDIDATES if policy in rows}
     return {
         "texts": [text.id for text in texts],
@@ -108,8 +113,8 @@ def validation_units(texts: list, policies, budgets, cost: float) -> int:
 
 
 def digest(text: str) -> str:
-    """A short fingerprint of an excerpt's text, stored beside its id: ``caote calibrate --validate`` reads a
-    stored validation's excerpts again only where both match (a folder may reuse a file name for other text)."""
+    """A short fingerprint of an excerpt's text, stored beside its id: ``caote validate`` reads a stored
+    validation's excerpts again only where both match (a folder may reuse a file name for other text)."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

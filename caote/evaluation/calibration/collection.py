@@ -90,10 +90,17 @@ def rollout_settings(budget: int, recent: int, block_size: int) -> CacheSettings
     return CacheSettings(budget=budget, policy=ROLLOUT, block_size=block_size, recent_window=recent)
 
 
-def evicting_budgets(length: int, budgets) -> list[int]:
-    """The budgets of ``budgets`` below a text's ``length``: a pass at a budget the text never exceeds evicts
-    nothing and collects no row, so it is not run (nor counted by a progress bar)."""
-    return [budget for budget in budgets if budget < length]
+def last_block_start(tokens: int, block_size: int) -> int:
+    """Where the last block of a ``tokens``-long text begins: an evicting pass stops there, since the eviction after
+    the last block has no later query to learn from."""
+    return (tokens - 1) // block_size * block_size
+
+
+def evicting_budgets(length: int, budgets, block_size: int) -> list[int]:
+    """The budgets of ``budgets`` that a pass over a ``length``-token text, stopping before its last block
+    (`last_block_start`), exceeds: a pass at another budget evicts nothing and collects no row, so it is not run
+    (nor counted by a progress bar)."""
+    return [budget for budget in budgets if budget < last_block_start(length, block_size)]
 
 
 def roll_out(model, input_ids: torch.Tensor, settings: CacheSettings, future, collector: Collector) -> None:

@@ -28,7 +28,13 @@ from caote.defaults import (
     FEATURE_GROUPS,
     FUTURE_TARGETS,
 )
-from caote.evaluation.calibration.collection import Collector, evicting_budgets, roll_out, rollout_settings
+from caote.evaluation.calibration.collection import (
+    Collector,
+    evicting_budgets,
+    last_block_start,
+    roll_out,
+    rollout_settings,
+)
 from caote.evaluation.calibration.ridge import HELD_OUT_EVERY, NormalEquations, check_mass_weight, solve_heads
 from caote.evaluation.lockstep import reference_pass
 from caote.evaluation.splits import check_calibration_texts
@@ -39,7 +45,7 @@ from caote.rotary import rotary_inverse
 
 @dataclass(frozen=True)
 class Recipe:
-    """How a predictor is fitted (its fields are stored in the predictor's details).
+    """How a predictor is fitted (the predictor's details record the fields that shaped it).
 
     ``budgets``: of the evicting passes (a text no longer than a budget skips it); ``groups``: the feature groups
     (`caote.defaults.FEATURE_GROUPS`); ``rounds``: the first evicts by H2O's mass (or by a given rollout predictor),
@@ -82,22 +88,31 @@ class Recipe:
 
     def round_texts(self, texts: list, round_number: int) -> list:
         """The texts round ``round_number`` (from 0) reads: all of them, but for a first round followed by others
-        the first `first_round_share` of them (at least `HELD_OUT_EVERY`, so that one chooses the ridge
-        strengths)."""
+        the first `first_round_share` of the texts of each length (at least `HELD_OUT_EVERY` of each, so that they
+        choose the ridge strengths), in their order."""
         if round_number or self.rounds == 1:
             return texts
-        return texts[: max(HELD_OUT_EVERY, math.ceil(self.first_round_share * len(texts)))]
+        by_length: dict[int, list] = {}
+        for text in texts:
+            by_length.setdefault(text.length, []).append(text)
+        chosen = {
+            id(text)
+            for group in by_length.values()
+            for text in group[: max(HELD_OUT_EVERY, math.ceil(self.first_round_share * len(group)))]
+        }
+        return [text for text in texts if id(text) in chosen]
 
     def blocks(self, texts: list) -> int:
         """The blocks `calibrate` reads for ``texts``: a full-cache pass of each, then one evicting pass, up to its
         last block, per round that reads it and budget it exceeds (the progress bar's unit: every block costs
         about the same)."""
-        total, read = 0, set()
+        total, seen = 0, set()
         for number in range(self.rounds):
             for text in self.round_texts(texts, number):
                 size = -(-text.length // self.block_size)
-                total += size * (id(text) not in read) + (size - 1) * len(evicting_budgets(text.length, self.budgets))
-                read.add(id(text))
+                passes = len(evicting_budgets(text.length, self.budgets, self.block_size))
+                total += size * (id(text) not in seen) + (size - 1) * passes
+                seen.add(id(text))
         return total
 
 
@@ -135,7 +150,8 @@ def calibrate(
     predictor = rollout
     for round_number in range(recipe.rounds):
         read = recipe.round_texts(texts, round_number)
-        collectors = _round(model, tokenizer, read, recipe, predictor, futures, bar)
+        last = round_number == recipe.rounds - 1
+        collectors = _round(model, tokenizer, read, recipe, predictor, futures, bar, release=last)
         if round_number:
             earlier = earlier + [predictor.texts]
         predictor = _fitted(model, collectors, read, recipe, began, model_name, earlier or None)
@@ -144,12 +160,16 @@ def calibrate(
     return predictor
 
 
-def _round(model, tokenizer, texts: list, recipe: Recipe, rollout: Predictor | None, futures: dict, bar) -> list:
-    """One round's ``(collector, text length)`` per evicting pass, ``rollout`` ranking (None: H2O's mass)."""
+def _round(
+    model, tokenizer, texts: list, recipe: Recipe, rollout: Predictor | None, futures: dict, bar, release: bool
+) -> list:
+    """One round's ``(collector, text length)`` per evicting pass, ``rollout`` ranking (None: H2O's mass); with
+    ``release`` (the last round) each text's future is dropped after its last pass, so that memory holds one."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     width = len(feature_names(recipe.groups, head_dim))
     collectors = []
+    remaining = Counter(id(text) for text in texts)
     for number, text in enumerate(texts):
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)  # as the evaluation tokenises
         blocks = -(-text.length // recipe.block_size)
@@ -161,7 +181,7 @@ def _round(model, tokenizer, texts: list, recipe: Recipe, rollout: Predictor | N
             )
             futures[id(text)] = reference.future
             bar.update(blocks)
-        for budget in evicting_budgets(text.length, recipe.budgets):
+        for budget in evicting_budgets(text.length, recipe.budgets, recipe.block_size):
             settings = recipe.settings(budget)
             collector = Collector(
                 recipe.groups,
@@ -182,12 +202,10 @@ def _round(model, tokenizer, texts: list, recipe: Recipe, rollout: Predictor | N
             )
             collectors.append((collector, text.length))
             bar.update(blocks - 1)
+        remaining[id(text)] -= 1
+        if release and not remaining[id(text)]:
+            del futures[id(text)]
     return collectors
-
-
-def last_block_start(tokens: int, block_size: int) -> int:
-    """Where the last block of a ``tokens``-long text begins."""
-    return (tokens - 1) // block_size * block_size
 
 
 def length_shares(collectors: list) -> dict:
@@ -210,6 +228,7 @@ def _fitted(model, collectors: list, texts: list, recipe: Recipe, began: float, 
         "recent_window": recipe.recent_window,
         "mass_weight": recipe.mass_weight,
         "target": recipe.target,
+        **({"first_round_share": recipe.first_round_share} if recipe.rounds > 1 else {}),
     }
     shares = {}
     if recipe.balance_lengths and len({length for _, length in collectors}) > 1:
