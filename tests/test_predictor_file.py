@@ -133,20 +133,27 @@ def test_check_file_refuses_what_it_can_tell_and_passes_the_rest(llama, qwen3, t
         Predictor.check_file(nan.save(tmp_path / "nan.safetensors"), "tiny")
 
 
-def test_validate_refuses_another_models_predictor_once_the_loaded_model_tells(
-    capsys, tokenizer, monkeypatch, tmp_path
+@pytest.mark.parametrize("command", ["validate", "eval"])
+def test_another_models_predictor_is_refused_once_the_loaded_model_tells(
+    capsys, tokenizer, monkeypatch, tmp_path, command
 ):
     """A local model's fingerprint is known only once it loads: a predictor of its shapes but another model's weights
-    is refused then, in one line, before any validation."""
+    is refused then, in one line, exit 2, before any validation or row."""
     model = tiny_model("llama", vocab_size=49152, max_position_embeddings=256)
     load_as(monkeypatch, model, tokenizer)
+    monkeypatch.setattr("caote.evaluation.report.load_model", lambda *args, **kwargs: (model, tokenizer))
     monkeypatch.setattr("caote.models.model_identity", lambda name: ModelIdentity(model.config, None))
     monkeypatch.setattr("caote.validate_command.validate_into", lambda *args: pytest.fail("validation started"))
+    monkeypatch.setattr("caote.evaluation.report.run_rows", lambda *args: pytest.fail("rows started"))
     fitted = Predictor.for_model(model)  # calibrated on the fly (conftest)
     other = Predictor(fitted.weights, fitted.groups, "another-llama", "0123456789abcdef", [], {})
     path = other.save(tmp_path / "other.safetensors")
-    code, out, err = run_main(capsys, "validate", str(path), "--out", str(tmp_path / "p.safetensors"))
+    argv, option = {
+        "validate": (["validate", str(path), "--out", str(tmp_path / "p.safetensors")], "PREDICTOR"),
+        "eval": (["eval", "perplexity", "--predictor", str(path), "--out", str(tmp_path / "rows")], "--predictor"),
+    }[command]
+    code, out, err = run_main(capsys, *argv)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith(
-        f"caote validate: error: PREDICTOR: predictor '{path}' was calibrated for 'another-llama', not"
+        f"caote {command}: error: {option}: predictor '{path}' was calibrated for 'another-llama', not"
     ), err
