@@ -198,7 +198,8 @@ def test_the_long_excerpts_leave_out_the_documents_held_out_to_validate(capsys, 
     ],
 )
 def test_long_excerpts_that_cannot_be_had_are_refused_in_one_line(capsys, roomy_calibration, tmp_path, args, message):
-    base = ["--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--no-validation", "--out", "p.safetensors"]
+    base = ["--texts", str(folder_of_texts(tmp_path)), "--length", "256", "--budgets", "40", "--no-validation"]
+    base += ["--out", "p.safetensors"]
     code, out, err = run_main(capsys, "calibrate", *base, *args)
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
 
