@@ -48,11 +48,23 @@ DISPATCHERS = {backend: f"caote_{backend}" for backend in SUPPORTED_ATTENTION}
 DISPATCHED_BACKENDS = {dispatcher: backend for backend, dispatcher in DISPATCHERS.items()}
 
 
+class AttentionCall(NamedTuple):
+    """One attention call of a forward given an `EvictionCache`, as `caote_attention` reports it after the kernel."""
+
+    module: nn.Module  # the attention module; its ``layer_idx`` names the layer
+    queries: torch.Tensor  # the call's final queries (B, H_q, q, d)
+    keys: torch.Tensor  # the call's keys (B, H_kv, N, d)
+    values: torch.Tensor  # the call's values (B, H_kv, N, d_v)
+    mask: torch.Tensor | None  # the 4D mask the kernel got (bool for sdpa, additive for eager), or None
+    kwargs: dict  # the call's other arguments (scaling, dropout, soft-capping, ...)
+    rows: torch.Tensor | None = None  # the probabilities (B, H_q, 1, N) when caote computed them (`decode_attention`)
+    output: torch.Tensor | None = None  # the output where `decode_attention` gave it as the group's weighted sum
+
+
 class AttentionObserver(Protocol):
     """What a forward's attention calls report to (an `EvictionCache`): the calls from this module upward
     (``attention_mask`` before the kernel, for a layer decoding in place; ``attends``: whether caote computes this
-    call's attention itself, `decode_attention`; ``after_attention`` after it, with the probabilities ``rows`` when
-    caote computed them).
+    call's attention itself, `decode_attention`; ``after_attention`` after it, with the call's `AttentionCall`).
 
     ``after_forward`` may run forwards of its own through the same model (`caote.strategies.LookAhead` drafts),
     whose attention calls report here again: the one run-time loop of the library (docs/architecture.md)."""
@@ -61,9 +73,7 @@ class AttentionObserver(Protocol):
 
     def attends(self, module: nn.Module, queries) -> SlotViews | None: ...
 
-    def after_attention(
-        self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None, output=None
-    ): ...
+    def after_attention(self, call: AttentionCall): ...
 
     def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None: ...
 
@@ -103,10 +113,10 @@ def caote_attention(backend: str, module: nn.Module, query, key, value, attentio
     views = active.cache.attends(module, query)
     if views is not None:  # one pass for the output and the row the policy reads
         output, rows, weighted = decode_attention(module, query, views, kwargs)
-        active.cache.after_attention(module, query, key, value, attention_mask, kwargs, rows, weighted)
+        active.cache.after_attention(AttentionCall(module, query, key, value, attention_mask, kwargs, rows, weighted))
         return output, rows  # the weights, as the eager kernel returns them (float32, as the query)
     output = kernel(module, query, key, value, attention_mask, **kwargs)
-    active.cache.after_attention(module, query, key, value, attention_mask, kwargs)
+    active.cache.after_attention(AttentionCall(module, query, key, value, attention_mask, kwargs))
     return output
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from caote.attention import ForwardSwitch, SlotViews, active_forward, attention_modules, sliding_windows
+from caote.attention import AttentionCall, ForwardSwitch, SlotViews, active_forward, attention_modules, sliding_windows
 from caote.future import FutureAttention
 from caote.layer import EvictionLayer, layer_bytes
 from caote.recording import reads_row_now
@@ -375,14 +375,11 @@ class EvictionCache(Cache):
         evicting = isinstance(layer, EvictionLayer) and self.strategy is not None and not self.frozen
         return layer.slot_views() if evicting and reads_row_now(layer, module, queries) else None
 
-    def after_attention(
-        self, module: nn.Module, queries, keys, values, attention_mask, kwargs: dict, rows=None, output=None
-    ):
-        """Called by caote's attention function right after ``module``'s layer attended, with the call's final
-        queries ``(B, H_q, q, d)``, keys and values ``(B, H_kv, N, d)``, mask and arguments (and the probabilities
+    def after_attention(self, call: AttentionCall):
+        """Called by caote's attention function right after a layer attended, with the call (its probabilities
         ``rows`` when caote computed the attention, `attends`): records the layer's positions and hands it to the
         policy's strategy, which records its rows and evicts."""
-        index = module.layer_idx
+        index = call.module.layer_idx
         layer = self.layers[index]
         self._bytes.account(index, layer)
         if not isinstance(layer, EvictionLayer):  # a sliding-window layer of a hybrid model keeps its own rule
@@ -392,11 +389,11 @@ class EvictionCache(Cache):
         if new > self.block_size and prefilling_in_blocks and index == self._first_evicting:  # once per forward
             _warn_unbounded_prefill(new, self.block_size)
         # a token decoded in place is never padding, and its mask already hides the slots that hold none
-        real = None if layer.in_place else self._shared.real_slots(attention_mask, layer.keys)
-        layer.add_positions(self._shared.positions(layer, kwargs, real), real is not None)
+        real = None if layer.in_place else self._shared.real_slots(call.mask, layer.keys)
+        layer.add_positions(self._shared.positions(layer, call.kwargs, real), real is not None)
         if self.strategy is None or self.frozen:
             return
-        self.strategy.after_attention(self, index, layer, module, queries, attention_mask, kwargs, real, rows, output)
+        self.strategy.after_attention(self, index, layer, call, real)
         self._bytes.account(index, layer)
 
     def after_forward(self, model: nn.Module, output, forward_kwargs: dict) -> None:

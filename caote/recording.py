@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from caote.attention import attention_probabilities
+from caote.attention import AttentionCall, attention_probabilities
 from caote.layer import EvictionLayer
 
 
@@ -33,35 +33,27 @@ def reads_row_now(layer: EvictionLayer, module: nn.Module, queries: torch.Tensor
     return rows_to_record(layer) > 0
 
 
-def record(
-    layer: EvictionLayer,
-    module: nn.Module,
-    queries,
-    mask,
-    kwargs: dict,
-    real: torch.Tensor | None,
-    call_rows=None,
-    call_output=None,
-) -> None:
+def record(layer: EvictionLayer, call: AttentionCall, real: torch.Tensor | None) -> None:
     """Fold the attention rows the policy's memory takes (`rows_to_record`) into ``layer``'s history.
     Probabilities are the family's eager attention over the call's final queries, in float32 under every backend,
-    so the backend does not change the kept set; ``call_rows`` are the call's own (`caote.attention.
-    decode_attention`, `reads_row_now`), and ``call_output`` its output ``(B, 1, H_q, d)``, kept for the scores
+    so the backend does not change the kept set; ``call.rows`` are the call's own (`caote.attention.
+    decode_attention`, `reads_row_now`), and ``call.output`` its output ``(B, 1, H_q, d)``, kept for the scores
     (`caote.bases.ScoreInputs.output`)."""
     if layer.in_place:
+        output = call.output
         layer.slots.output = (
-            None
-            if call_output is None
-            else call_output.reshape(call_output.shape[0], layer.keys.shape[1], -1, call_output.shape[-1])
+            None if output is None else output.reshape(output.shape[0], layer.keys.shape[1], -1, output.shape[-1])
         )
     rows = rows_to_record(layer)
     if rows == 0:
         layer.history = None
         return
-    if call_rows is not None:
-        probabilities = call_rows
+    if call.rows is not None:
+        probabilities = call.rows
     else:
-        probabilities = attention_probabilities(module, queries[:, :, -rows:], layer.keys, layer.values, mask, kwargs)
+        probabilities = attention_probabilities(
+            call.module, call.queries[:, :, -rows:], layer.keys, layer.values, call.mask, call.kwargs
+        )
     if real is not None:  # padding queries add nothing
         probabilities = probabilities * real[:, -rows:][:, None, :, None]
     memory = layer.settings.policy.base.memory

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from caote.attention import attention_probabilities
+from caote.attention import AttentionCall, attention_probabilities
 from caote.future import FutureAttention
 from caote.history import KEY_TERM_POSITION, PREDICTION_POSITION
 from caote.layer import EvictionLayer
@@ -63,13 +63,11 @@ class Immediate:
         self.settings = settings
         self._waiting: dict[int, EvictionLayer] = {}  # a decode step's layers by index, evicted in `after_forward`
 
-    def after_attention(
-        self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None, output=None
-    ):
-        """Record the rows the base reads (``rows``: the call's own, when caote computed its attention), then evict
-        if the layer overflows: to ``budget`` after a prompt block, ``budget - interval + 1`` after a decode step
-        (a decode step in place: at the end of the forward, with the step's other layers)."""
-        record(layer, module, queries, mask, kwargs, real, rows, output)
+    def after_attention(self, cache, index: int, layer, call: AttentionCall, real):
+        """Record the rows the base reads (``call.rows``: the call's own, when caote computed its attention), then
+        evict if the layer overflows: to ``budget`` after a prompt block, ``budget - interval + 1`` after a decode
+        step (a decode step in place: at the end of the forward, with the step's other layers)."""
+        record(layer, call, real)
         if layer.retained > layer.settings.budget:
             if self.evicts_together and layer.in_place and layer.new_tokens == 1:
                 self._waiting[index] = layer
@@ -144,24 +142,24 @@ class LookAhead(Immediate):
         self._drafted: dict[int, list[torch.Tensor]] = {}  # layer -> attention rows of the draft's queries
         self._drafting = False
 
-    def after_attention(
-        self, cache, index: int, layer, module: nn.Module, queries, mask, kwargs, real, rows=None, output=None
-    ):
+    def after_attention(self, cache, index: int, layer, call: AttentionCall, real):
         if self._drafting:
-            self._record_draft(index, layer, module, queries, mask, kwargs, real)
+            self._record_draft(index, layer, call, real)
         elif layer.new_tokens > 1:
-            record(layer, module, queries, mask, kwargs, real)
+            record(layer, call, real)
             if layer.retained > layer.settings.budget:
                 self._pending[index] = layer.retained  # evicted in `after_forward`, once the draft's rows are seen
         else:
-            super().after_attention(cache, index, layer, module, queries, mask, kwargs, real, rows, output)
+            super().after_attention(cache, index, layer, call, real)
 
-    def _record_draft(self, index: int, layer, module: nn.Module, queries, mask, kwargs, real) -> None:
+    def _record_draft(self, index: int, layer, call: AttentionCall, real) -> None:
         """Keep a draft query's attention over the tokens a waiting layer held before the draft."""
         tokens = self._pending.get(index)
         if tokens is None:
             return
-        row = attention_probabilities(module, queries[:, :, -1:], layer.keys, layer.values, mask, kwargs)
+        row = attention_probabilities(
+            call.module, call.queries[:, :, -1:], layer.keys, layer.values, call.mask, call.kwargs
+        )
         if real is not None:
             row = row * real[:, -1:][:, None, :, None]
         self._drafted.setdefault(index, []).append(row[..., :tokens])

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from caote.attention import attention_probabilities
+from caote.attention import AttentionCall, attention_probabilities
 from caote.cache import CacheSnapshot, EvictionCache
 from caote.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL
 from caote.evaluation.fidelity import AttentionCapture, FidelityMeter, measured
@@ -80,14 +80,16 @@ class _ReferenceCache(EvictionCache):
         super().__init__(model, cell_settings(FULL, None, block_size))
         self.future_attention = future
 
-    def after_attention(self, module, queries, keys, values, attention_mask, kwargs, rows=None, output=None) -> None:
-        super().after_attention(module, queries, keys, values, attention_mask, kwargs, rows, output)
-        layer = self.layers[module.layer_idx]
+    def after_attention(self, call: AttentionCall) -> None:
+        super().after_attention(call)
+        layer = self.layers[call.module.layer_idx]
         if self.future_attention is None or not isinstance(layer, EvictionLayer):
             return
-        probabilities = attention_probabilities(module, queries, layer.keys, layer.values, attention_mask, kwargs)
+        probabilities = attention_probabilities(
+            call.module, call.queries, layer.keys, layer.values, call.mask, call.kwargs
+        )
         given = received(probabilities, layer.values, self.future_attention.target)  # (B, H_kv, N)
-        self.future_attention.add(module.layer_idx, layer.cumulative_length, given[0])
+        self.future_attention.add(call.module.layer_idx, layer.cumulative_length, given[0])
 
 
 @dataclass
