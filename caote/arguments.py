@@ -161,6 +161,20 @@ def check_predictor_file(path: str | Path, model: str, option: str = "--predicto
         raise UsageError(f"{option}: {error}") from None
 
 
+def check_loaded_predictor(path: str | Path | None, model, option: str = "--predictor") -> None:
+    """A `UsageError` naming ``option`` when the predictor at ``path`` (None: nothing to check) does not fit the
+    loaded ``model`` (`caote.predictor.Predictor.for_model`): what `check_predictor_file` could not tell before it
+    loaded (another local model of the same shapes)."""
+    from caote.predictor import Predictor
+
+    if path is None:
+        return
+    try:
+        Predictor.for_model(model, path)
+    except ValueError as error:
+        raise UsageError(f"{option}: {error}") from None
+
+
 def warn_if_threads_share_cores(threads: int | None) -> None:
     """Say in one line on stderr when torch's ``threads`` (None: torch's default) will share cores with other work:
     when the 1-minute load average already holds a whole core's worth of work beyond the CPUs they leave free (a

@@ -14,6 +14,7 @@ from pathlib import Path
 from caote.arguments import (
     UsageError,
     add_subcommand,
+    check_loaded_predictor,
     check_model,
     non_negative_int,
     positive_int,
@@ -25,7 +26,6 @@ from caote.calibration_cli import (
     add_validation_budgets,
     all_texts,
     budget_list,
-    check_loaded,
     check_source,
     check_validation_budgets,
     default_validation_budgets,
@@ -227,7 +227,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         given = validation_budgets is not None
         check_validation_budgets(validation_budgets or default_validation_budgets(budgets[0]), given)
     model, tokenizer = load_for(args)
-    check_loaded(args.rollout_predictor, "--rollout-predictor", model)
+    check_loaded_predictor(args.rollout_predictor, model, "--rollout-predictor")
     length, positions = excerpt_length(args, model)
     long_length, long_count = long_excerpts(args, length, positions)
     fit, held = split_texts(args, tokenizer, length)

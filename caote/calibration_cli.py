@@ -103,19 +103,6 @@ def load_predictor(path: Path, option: str, model: str, groups: list[str] | None
     return check_predictor_file(path, model, option)
 
 
-def check_loaded(path: Path | None, option: str, model) -> None:
-    """A `UsageError` when the predictor at ``path`` does not fit the loaded ``model`` (`Predictor.for_model`): what
-    its name did not tell before it loaded (another local model of the same shapes)."""
-    from caote.predictor import Predictor
-
-    if path is None:
-        return
-    try:
-        Predictor.for_model(model, path)
-    except ValueError as error:
-        raise UsageError(f"{option}: {error}") from None
-
-
 def check_validation_budgets(budgets: list[int] | None, given: bool = True) -> None:
     """A `UsageError` for a validation budget a validated policy cannot run at (``given``: named by
     ``--validation-budgets``, else the default ones)."""

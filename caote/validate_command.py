@@ -9,13 +9,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from caote.arguments import UsageError, add_subcommand, check_model, warn_if_threads_share_cores
+from caote.arguments import (
+    UsageError,
+    add_subcommand,
+    check_loaded_predictor,
+    check_model,
+    warn_if_threads_share_cores,
+)
 from caote.calibration_cli import (
     add_run_arguments,
     add_source_arguments,
     add_validation_budgets,
     all_texts,
-    check_loaded,
     check_source,
     check_validation_budgets,
     default_validation_budgets,
@@ -79,7 +84,7 @@ def run_validate(args: argparse.Namespace) -> int:
     check_validation_budgets(budgets)
     policies, kept = validation_plan(args, given, budgets)
     model, tokenizer = load_for(args)
-    check_loaded(args.predictor, "PREDICTOR", model)
+    check_loaded_predictor(args.predictor, model, "PREDICTOR")
     length, _ = excerpt_length(args, model, stored_length(given))
     held, read_before = held_excerpts(args, tokenizer, length, given, recompute=kept is not None)
     warn_if_threads_share_cores(args.threads)  # after every check, so that a refusal stays one line

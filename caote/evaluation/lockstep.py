@@ -191,12 +191,17 @@ def reference_pass(
     return Reference(block_size, log_probs, snapshots, outputs, future_attention, nll, first_scored)
 
 
+def block_count(tokens: int, block_size: int) -> int:
+    """How many blocks of ``block_size`` a ``tokens``-long text is read in (the last may be shorter)."""
+    return -(-tokens // block_size)
+
+
 def skippable_blocks(policy: str, budget: int | None, block_size: int, tokens: int) -> int:
     """How many leading blocks of a ``tokens``-long text a policy reads exactly as the full cache does, and can take
     from the reference: all of them for the full cache; for an evicting policy the blocks before its first
     eviction, provided it carries no state into that eviction (not H2O's running sum, nor a query window longer
     than the block that first evicts)."""
-    blocks = -(-tokens // block_size)
+    blocks = block_count(tokens, block_size)
     base = parse_policy(policy).base
     if budget is None or base is None:
         return blocks

@@ -11,14 +11,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from caote.arguments import UsageError
+from caote.arguments import check_loaded_predictor
 from caote.evaluation.config import EvalConfig
 from caote.evaluation.grids import GRIDS, Grid, part_configs, planned_rows
 from caote.evaluation.registry import TASKS
 from caote.evaluation.rows import load_rows
 from caote.evaluation.runner import distributed_state, run_rows
 from caote.models import load_model
-from caote.predictor import Predictor
 from caote.reports.document import write_results_md
 from caote.reports.glance import glance_table
 from caote.reports.long_results import write_long_md
@@ -66,11 +65,7 @@ def run_benchmark(config: EvalConfig) -> int:
         torch.set_num_threads(config.threads)
     state, rank, world = distributed_state()
     model, tokenizer = _load(config, state)
-    if config.predictor is not None:  # what only the loaded weights tell: another local model of the same shapes
-        try:
-            Predictor.for_model(model, config.predictor)
-        except ValueError as error:
-            raise UsageError(f"--predictor: {error}") from None
+    check_loaded_predictor(config.predictor, model)
     run_rows(config, model, tokenizer, rank, world)
     state.wait_for_everyone()
     if rank == 0:

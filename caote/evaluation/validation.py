@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 
 from caote.defaults import DEFAULT_BLOCK_SIZE
-from caote.evaluation.lockstep import lockstep_results, skippable_blocks
+from caote.evaluation.lockstep import block_count, lockstep_results, skippable_blocks
 from caote.predictor import VERDICT_DOES_NOT_HELP, VERDICT_HELPS
 
 # the learned policies a predictor serves (plain `learned` is not judged: in every stored validation, three predictors
@@ -97,7 +97,7 @@ def pass_units(length: int, policy: str | None, budget: int | None, cost: float,
     """One validation pass of a ``length``-token excerpt in progress units (a calibration block each): the full
     cache's (``policy`` None) or ``policy`` at ``budget`` from its first block that differs from the full cache's
     (`caote.evaluation.lockstep.skippable_blocks`), each block weighing ``cost`` (`logits_cost`)."""
-    blocks = -(-length // block_size)
+    blocks = block_count(length, block_size)
     skipped = 0 if policy is None else skippable_blocks(policy, budget, block_size, length)
     return round((blocks - skipped) * cost)
 

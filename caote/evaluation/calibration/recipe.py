@@ -36,7 +36,7 @@ from caote.evaluation.calibration.collection import (
     rollout_settings,
 )
 from caote.evaluation.calibration.ridge import HELD_OUT_EVERY, NormalEquations, check_mass_weight, solve_heads
-from caote.evaluation.lockstep import reference_pass
+from caote.evaluation.lockstep import block_count, reference_pass
 from caote.evaluation.splits import check_calibration_texts
 from caote.learned import LEARNED_RECENT, feature_names
 from caote.predictor import Predictor, model_fingerprint
@@ -109,7 +109,7 @@ class Recipe:
         total, seen = 0, set()
         for number in range(self.rounds):
             for text in self.round_texts(texts, number):
-                size = -(-text.length // self.block_size)
+                size = block_count(text.length, self.block_size)
                 passes = len(evicting_budgets(text.length, self.budgets, self.block_size))
                 total += size * (id(text) not in seen) + (size - 1) * passes
                 seen.add(id(text))
@@ -172,7 +172,7 @@ def _round(
     remaining = Counter(id(text) for text in texts)
     for number, text in enumerate(texts):
         ids = tokenizer(text.text, return_tensors="pt").input_ids.to(model.device)  # as the evaluation tokenises
-        blocks = -(-text.length // recipe.block_size)
+        blocks = block_count(text.length, recipe.block_size)
         if id(text) not in futures:
             # the fit reads no log-probs: scoring only the last token keeps one row of logits per block instead of
             # all of them (at 8,192 tokens, Gemma-3's 262,144-word vocabulary made that 8.6 GB and much of the pass)
